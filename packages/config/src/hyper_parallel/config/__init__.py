@@ -1,0 +1,1 @@
+"""Typed, nested, declarative configs (stdlib only)."""

@@ -1,0 +1,1 @@
+"""Declarative tensor-parallel modules."""

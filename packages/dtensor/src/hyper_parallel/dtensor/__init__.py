@@ -1,0 +1,1 @@
+"""Distributed tensors: DeviceMesh, placements, DTensor, redistribute."""

@@ -1,0 +1,143 @@
+"""Placements: how one mesh axis lays a tensor out (Shard, Replicate, Partial)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["Partial", "Placement", "ReduceOp", "Replicate", "Shard"]
+
+ReduceOp = Literal["sum", "avg", "max", "min"]
+_REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of the placements of a tensor along one mesh axis.
+
+    Placements are immutable values: equal by value, hashable, and printed as the
+    expression that made them.
+
+    Example::
+
+        >>> Shard(0) == Shard(0), Replicate() == Replicate()
+        (True, True)
+    """
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """True for ``Shard`` (of ``dim``, when given)."""
+        return False
+
+    def is_replicate(self) -> bool:
+        """True for ``Replicate``."""
+        return False
+
+    def is_partial(self) -> bool:
+        """True for ``Partial`` of any reduce op."""
+        return False
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; cannot delete {name!r}")
+
+
+class Shard(Placement):
+    """The tensor is split along tensor dimension ``dim`` across the mesh axis.
+
+    Chunks follow ``torch.chunk``: the first chunks hold ``ceil(size / n)``
+    elements, later ones may be smaller or empty.
+
+    Example::
+
+        >>> Shard(1)
+        Shard(dim=1)
+    """
+
+    __slots__ = ("dim",)
+    dim: int
+
+    def __init__(self, dim: int) -> None:
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"Shard(dim): expected an int tensor dimension, found {dim!r}")
+        object.__setattr__(self, "dim", dim)
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or self.dim == dim
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(("Shard", self.dim))
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __reduce__(self) -> tuple[type[Shard], tuple[int]]:
+        return (Shard, (self.dim,))
+
+
+class Replicate(Placement):
+    """Every rank along the mesh axis holds the whole tensor.
+
+    Example::
+
+        >>> Replicate()
+        Replicate()
+    """
+
+    __slots__ = ()
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Replicate)
+
+    def __hash__(self) -> int:
+        return hash("Replicate")
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __reduce__(self) -> tuple[type[Replicate], tuple[()]]:
+        return (Replicate, ())
+
+
+class Partial(Placement):
+    """Every rank holds a partial value; the tensor is their reduction by ``reduce_op``.
+
+    ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``.
+
+    Example::
+
+        >>> Partial(), Partial("max")
+        (Partial(reduce_op='sum'), Partial(reduce_op='max'))
+    """
+
+    __slots__ = ("reduce_op",)
+    reduce_op: ReduceOp
+
+    def __init__(self, reduce_op: ReduceOp = "sum") -> None:
+        if reduce_op not in _REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce_op): expected one of {_REDUCE_OPS}, found {reduce_op!r}"
+            )
+        object.__setattr__(self, "reduce_op", reduce_op)
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Partial) and other.reduce_op == self.reduce_op
+
+    def __hash__(self) -> int:
+        return hash(("Partial", self.reduce_op))
+
+    def __repr__(self) -> str:
+        return f"Partial(reduce_op={self.reduce_op!r})"
+
+    def __reduce__(self) -> tuple[type[Partial], tuple[str]]:
+        return (Partial, (self.reduce_op,))

@@ -1,0 +1,1 @@
+"""The platform seam: the small protocol through which hyper-parallel reaches a framework."""

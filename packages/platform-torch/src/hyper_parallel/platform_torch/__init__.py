@@ -1,0 +1,1 @@
+"""The PyTorch platform adapter for hyper-parallel."""
