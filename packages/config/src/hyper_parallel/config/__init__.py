@@ -1,1 +1,34 @@
-"""Typed, nested, declarative configs (stdlib only)."""
+"""Typed, nested, declarative configs (stdlib only).
+
+Example::
+
+    >>> from dataclasses import dataclass
+    >>> from hyper_parallel.config import Configurable
+    >>> class Linear(Configurable):
+    ...     @dataclass(kw_only=True, slots=True)
+    ...     class Config(Configurable.Config):
+    ...         dim: int = 8
+    ...     def __init__(self, *, config: Config) -> None:
+    ...         self.config = config
+    >>> Linear.Config().apply_overrides(["dim=16"]).build().config.dim
+    16
+"""
+
+from hyper_parallel.config.cli import load_config, parse_cli_overrides
+from hyper_parallel.config.configurable import (
+    Configurable,
+    TraverseKey,
+    TraverseParent,
+    enforce_module_config_slots,
+)
+from hyper_parallel.config.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "Configurable",
+    "TraverseKey",
+    "TraverseParent",
+    "enforce_module_config_slots",
+    "load_config",
+    "parse_cli_overrides",
+]

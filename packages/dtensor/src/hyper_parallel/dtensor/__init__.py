@@ -1,1 +1,41 @@
-"""Distributed tensors: DeviceMesh, placements, DTensor, redistribute."""
+"""Distributed tensors: DeviceMesh, placements, DTensor, redistribute.
+
+Names and semantics follow ``torch.distributed.tensor``.
+
+Example::
+
+    from hyper_parallel.dtensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    w = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+"""
+
+from hyper_parallel.dtensor import _ops  # noqa: F401  (registers the sharding rules)
+from hyper_parallel.dtensor._api import DTensor, distribute_tensor
+from hyper_parallel.dtensor._dispatch import (
+    FallbackWarning,
+    clear_plan_cache,
+    fallback_counts,
+    implicit_replication,
+    plan_cache_size,
+    reset_fallback_counts,
+)
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "FallbackWarning",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "clear_plan_cache",
+    "distribute_tensor",
+    "fallback_counts",
+    "implicit_replication",
+    "init_device_mesh",
+    "plan_cache_size",
+    "reset_fallback_counts",
+]

@@ -1,0 +1,453 @@
+"""Config trees <-> JSON data: to_dict encoding and annotation-driven from_dict decoding."""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import enum
+import functools
+import importlib
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias, cast
+
+from hyper_parallel.config._annotations import (
+    format_type,
+    init_fields,
+    is_any,
+    resolved_field_types,
+    strip_annotated,
+    union_members,
+)
+from hyper_parallel.config.errors import ConfigError, describe, did_you_mean, join_path
+
+__all__ = [
+    "CALLABLE_TAG",
+    "MAPPING_ORIGINS",
+    "SEQUENCE_ORIGINS",
+    "PARTIAL_TAG",
+    "TYPE_TAG",
+    "JSONValue",
+    "Decoder",
+    "class_ref",
+    "encode",
+    "item_type",
+    "mapping_types",
+]
+
+JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
+"""Data that ``json.dumps`` accepts, as ``to_dict`` produces it."""
+
+TYPE_TAG = "_type_"
+"""Key recording the concrete class of a dataclass that is not exactly its declared type."""
+CALLABLE_TAG = "_callable_"
+"""``{"_callable_": "module:qualname"}``: an importable function or class."""
+PARTIAL_TAG = "_partial_"
+"""``{"_partial_": "module:qualname", "args": [...], "kwargs": {...}}``: a functools.partial."""
+
+SEQUENCE_ORIGINS = (list, collections.abc.Sequence, collections.abc.MutableSequence)
+MAPPING_ORIGINS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+
+
+def class_ref(obj: Any) -> str:
+    """``"module:qualname"`` of a class or function."""
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode(value: object, declared: object, path: str) -> JSONValue:
+    """JSON data for ``value`` declared as ``declared`` at ``path`` (see Config.to_dict)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        data: dict[str, JSONValue] = {}
+        if _declared_classes(declared) != {cls}:
+            data[TYPE_TAG] = class_ref(cls)
+        hints = resolved_field_types(cls)
+        for name in init_fields(cls):
+            data[name] = encode(getattr(value, name), hints[name], join_path(path, name))
+        return data
+    if isinstance(value, enum.Enum):
+        inner = value.value
+        ok = isinstance(inner, (str, int, float)) and not isinstance(inner, bool)
+        return inner if ok else value.name  # type: ignore[no-any-return]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [
+            encode(item, item_type(declared, i), join_path(path, i)) for i, item in enumerate(value)
+        ]
+    if isinstance(value, dict):
+        _, value_type = mapping_types(declared)
+        out: dict[str, JSONValue] = {}
+        for key, item in value.items():
+            out[_encode_key(key, path)] = encode(item, value_type, join_path(path, key))
+        return out
+    if isinstance(value, functools.partial):
+        args = [encode(a, Any, join_path(path, f"args.{i}")) for i, a in enumerate(value.args)]
+        kwargs = {k: encode(v, Any, join_path(path, k)) for k, v in value.keywords.items()}
+        return {PARTIAL_TAG: _callable_ref(value.func, path), "args": args, "kwargs": kwargs}
+    if callable(value):
+        return {CALLABLE_TAG: _callable_ref(value, path)}
+    raise ConfigError(
+        f"cannot convert to JSON data: expected a JSON scalar, list, tuple, dict, Enum, "
+        f"dataclass or importable callable, found {describe(value)}",
+        path=path,
+    )
+
+
+def _encode_key(key: object, path: str) -> str:
+    if isinstance(key, enum.Enum):
+        key = key.value if isinstance(key.value, str) else key.name
+    if isinstance(key, str):
+        return key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    raise ConfigError(f"dict key: expected str, int or Enum, found {describe(key)}", path=path)
+
+
+def _callable_ref(obj: object, path: str) -> str:
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str) and "<" not in qualname:
+        try:
+            found = _import_attribute(module, qualname)
+        except (ImportError, AttributeError):
+            found = None
+        if found is obj:
+            return f"{module}:{qualname}"
+    raise ConfigError(
+        f"cannot convert callable to JSON data: expected an importable function or class "
+        f"(module-level, reachable as module:qualname), found {describe(obj)}",
+        path=path,
+    )
+
+
+def _import_attribute(module: str, qualname: str) -> object:
+    obj: object = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _type_bound(declared: object) -> type | None:
+    """``X`` for ``type[X]`` annotations, else None."""
+    if typing.get_origin(declared) is type:
+        (arg,) = typing.get_args(declared)
+        return arg if isinstance(arg, type) else object
+    return None
+
+
+class Decoder:
+    """Decodes JSON data by annotations; ``any_base`` bounds ``_type_`` tags under ``Any``."""
+
+    def __init__(self, any_base: type) -> None:
+        self.any_base = any_base
+        self._tags: dict[tuple[type, str], type] = {}
+
+    def decode(self, data: object, declared: object, path: str) -> Any:
+        """``data`` coerced to ``declared``; ConfigError (path, expected, found) when it does not fit."""
+        ann = strip_annotated(declared)
+        if is_any(ann):
+            return self._decode_any(data, path)
+        if ann is None or ann is type(None):
+            if data is None:
+                return None
+            raise _mismatch(path, ann, data)
+        members = union_members(ann)
+        if members is not None:
+            return self._decode_union(data, ann, members, path)
+        origin = typing.get_origin(ann)
+        if origin is Literal:
+            for option in typing.get_args(ann):
+                if type(option) is type(data) and option == data:
+                    return option
+            raise _mismatch(path, ann, data)
+        if origin in SEQUENCE_ORIGINS or ann in SEQUENCE_ORIGINS:
+            if not isinstance(data, (list, tuple)):
+                raise _mismatch(path, ann, data)
+            item = item_type(ann, 0)
+            return [self.decode(v, item, join_path(path, i)) for i, v in enumerate(data)]
+        if origin is tuple or ann is tuple:
+            return self._decode_tuple(data, ann, path)
+        if origin in MAPPING_ORIGINS or ann in MAPPING_ORIGINS:
+            if not isinstance(data, Mapping):
+                raise _mismatch(path, ann, data)
+            key_type, value_type = mapping_types(ann)
+            return {
+                self._decode_key(k, key_type, path): self.decode(v, value_type, join_path(path, k))
+                for k, v in data.items()
+            }
+        if origin is type or ann is collections.abc.Callable or origin is collections.abc.Callable:
+            return self.resolve_callable(data, ann, path)
+        if not isinstance(ann, type):
+            raise ConfigError(f"unsupported annotation {ann!r}", path=path)
+        return self._decode_class(data, ann, path)
+
+    def resolve_callable(self, ref: object, declared: object, path: str) -> object:
+        """The callable named by ``"module:qualname"`` (or a tagged dict), checked against ``declared``."""
+        if isinstance(ref, Mapping) and PARTIAL_TAG in ref:
+            extra = set(ref) - {PARTIAL_TAG, "args", "kwargs"}
+            if extra:
+                raise ConfigError(
+                    f"unknown keys {sorted(extra)} in a {PARTIAL_TAG} entry; expected args, kwargs",
+                    path=path,
+                )
+            func = self.resolve_callable(ref[PARTIAL_TAG], Callable, path)
+            args = self.decode(ref.get("args", []), list[Any], join_path(path, "args"))
+            kwargs = self.decode(ref.get("kwargs", {}), dict[str, Any], join_path(path, "kwargs"))
+            return functools.partial(cast(Callable[..., object], func), *args, **kwargs)
+        if isinstance(ref, Mapping) and set(ref) == {CALLABLE_TAG}:
+            ref = ref[CALLABLE_TAG]
+        if not isinstance(ref, str) or ref.count(":") != 1:
+            raise ConfigError(
+                f"expected an importable callable as 'module:qualname', found {describe(ref)}",
+                path=path,
+            )
+        module, qualname = ref.split(":")
+        try:
+            obj = _import_attribute(module, qualname)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"cannot import {ref!r}: {err}", path=path) from err
+        base = _type_bound(declared)
+        if base is not None:
+            if not (isinstance(obj, type) and issubclass(obj, base)):
+                raise ConfigError(
+                    f"expected a subclass of {format_type(base)}, found {describe(obj)}", path=path
+                )
+        elif not callable(obj):
+            raise ConfigError(f"expected a callable, found {describe(obj)}", path=path)
+        return obj
+
+    def _decode_class(self, data: object, cls: type, path: str) -> Any:
+        if issubclass(cls, enum.Enum):
+            return _decode_enum(data, cls, path)
+        if cls is bool:
+            if isinstance(data, bool):
+                return data
+            raise _mismatch(path, cls, data)
+        if cls is int:
+            if isinstance(data, int) and not isinstance(data, bool):
+                return data
+            raise _mismatch(path, cls, data)
+        if cls is float:
+            if isinstance(data, (int, float)) and not isinstance(data, bool):
+                return float(data)
+            raise _mismatch(path, cls, data)
+        if cls is str:
+            if isinstance(data, str):
+                return data
+            raise _mismatch(path, cls, data)
+        if isinstance(data, Mapping) and (dataclasses.is_dataclass(cls) or TYPE_TAG in data):
+            return self.decode_dataclass(data, cls, path)
+        if isinstance(data, cls) and not isinstance(data, (dict, list)):
+            return data
+        raise _mismatch(path, cls, data)
+
+    def decode_dataclass(self, data: object, declared: type, path: str) -> Any:
+        """An instance of ``declared`` (or the subclass its ``_type_`` tag names) from a dict."""
+        if not isinstance(data, Mapping):
+            raise _mismatch(path, declared, data)
+        cls = declared
+        if TYPE_TAG in data:
+            cls = self.resolve_tag(data[TYPE_TAG], declared, join_path(path, TYPE_TAG))
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"expected a dataclass type, found {format_type(cls)}", path=path)
+        fields = init_fields(cls)
+        unknown = [k for k in data if k not in fields and k != TYPE_TAG]
+        if unknown:
+            key = str(unknown[0])
+            raise ConfigError(
+                f"unknown field {key!r} for {format_type(cls)}{did_you_mean(key, fields)}",
+                path=join_path(path, key),
+            )
+        hints = resolved_field_types(cls)
+        kwargs = {
+            name: self.decode(value, hints[name], join_path(path, name))
+            for name, value in data.items()
+            if name != TYPE_TAG
+        }
+        missing = [
+            name
+            for name, f in fields.items()
+            if name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ConfigError(
+                f"missing required field(s) {', '.join(map(repr, missing))} of {format_type(cls)}",
+                path=path,
+            )
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(
+                f"{format_type(cls)}(...) rejected the values: {err}", path=path
+            ) from err
+
+    def resolve_tag(self, tag: object, declared: type, path: str) -> type:
+        """The class a ``_type_`` tag names, which must be ``declared`` or a subclass of it."""
+        if not isinstance(tag, str) or tag.count(":") != 1:
+            raise ConfigError(f"expected 'module:QualName', found {describe(tag)}", path=path)
+        cached = self._tags.get((declared, tag))
+        if cached is not None:
+            return cached
+        module, qualname = tag.split(":")
+        found = _find_subclass(declared, module, qualname)
+        if found is None and "<" not in qualname:
+            try:  # the module defining the subclass may not be imported yet
+                importlib.import_module(module)
+            except ImportError as err:
+                raise ConfigError(f"cannot import module {module!r}: {err}", path=path) from err
+            found = _find_subclass(declared, module, qualname)
+        if found is None:
+            raise ConfigError(
+                f"expected {format_type(declared)} or a subclass of it, found {tag!r} "
+                "(tags only name subclasses of the declared type)",
+                path=path,
+            )
+        self._tags[(declared, tag)] = found
+        return found
+
+    def _decode_any(self, data: object, path: str) -> Any:
+        if isinstance(data, Mapping):
+            if CALLABLE_TAG in data or PARTIAL_TAG in data:
+                return self.resolve_callable(data, Callable, path)
+            if TYPE_TAG in data:
+                return self.decode_dataclass(data, self.any_base, path)
+            return {k: self._decode_any(v, join_path(path, k)) for k, v in data.items()}
+        if isinstance(data, (list, tuple)):
+            return [self._decode_any(v, join_path(path, i)) for i, v in enumerate(data)]
+        return data
+
+    def _decode_union(
+        self, data: object, ann: object, members: tuple[object, ...], path: str
+    ) -> Any:
+        # Exact type matches first, so 1 under `float | int` stays the int 1.
+        ordered = sorted(members, key=lambda m: 0 if m is type(data) else 1)
+        errors: list[ConfigError] = []
+        for member in ordered:
+            try:
+                return self.decode(data, member, path)
+            except ConfigError as err:
+                errors.append(err)
+        deeper = [e for e in errors if e.path != path]
+        if (
+            len(deeper) == 1
+        ):  # only one member got past the first level: its error is the useful one
+            raise deeper[0]
+        raise _mismatch(path, ann, data)
+
+    def _decode_tuple(self, data: object, ann: object, path: str) -> tuple[Any, ...]:
+        if not isinstance(data, (list, tuple)):
+            raise _mismatch(path, ann, data)
+        args = typing.get_args(ann)
+        if args and args[-1] is not Ellipsis and len(args) != len(data):
+            raise ConfigError(
+                f"expected {format_type(ann)} ({len(args)} items), found {len(data)} items "
+                f"{describe(data)}",
+                path=path,
+            )
+        return tuple(
+            self.decode(v, item_type(ann, i), join_path(path, i)) for i, v in enumerate(data)
+        )
+
+    def _decode_key(self, key: object, key_type: object, path: str) -> object:
+        key_type = strip_annotated(key_type)
+        if isinstance(key_type, type) and issubclass(key_type, enum.Enum):
+            return _decode_enum(key, key_type, join_path(path, key))
+        if key_type is int and isinstance(key, str) and key.lstrip("-").isdigit():
+            return int(key)  # JSON object keys are always strings
+        return self.decode(key, key_type, join_path(path, key))
+
+
+def _find_subclass(base: type, module: str, qualname: str) -> type | None:
+    # slots=True dataclasses leave the pre-slots class alive (as a subclass too); prefer the
+    # importable one, then the slotted one.
+    matches = [
+        c for c in _all_subclasses(base) if c.__module__ == module and c.__qualname__ == qualname
+    ]
+    if not matches:
+        return None
+    try:
+        importable = _import_attribute(module, qualname)
+    except (ImportError, AttributeError):
+        importable = None
+    for cls in matches:
+        if cls is importable:
+            return cls
+    slotted = [c for c in matches if "__slots__" in c.__dict__]
+    return (slotted or matches)[-1]
+
+
+def _all_subclasses(base: type) -> list[type]:
+    seen: list[type] = [base]
+    index = 0
+    while index < len(seen):
+        subclasses: list[type] = type.__subclasses__(seen[index])
+        for sub in subclasses:
+            if sub not in seen:
+                seen.append(sub)
+        index += 1
+    return seen
+
+
+def _decode_enum(data: object, cls: type[enum.Enum], path: str) -> enum.Enum:
+    for member in cls:
+        if type(member.value) is type(data) and member.value == data:
+            return member
+    if isinstance(data, str) and data in cls.__members__:
+        return cls.__members__[data]
+    names = ", ".join(f"{m.name} ({m.value!r})" for m in cls)
+    raise ConfigError(
+        f"expected {format_type(cls)}: one of {names}, found {describe(data)}", path=path
+    )
+
+
+def _mismatch(path: str, ann: object, data: object) -> ConfigError:
+    return ConfigError(f"expected {format_type(ann)}, found {describe(data)}", path=path)
+
+
+def _declared_classes(declared: object) -> set[type]:
+    declared = strip_annotated(declared)
+    members = union_members(declared) or (declared,)
+    return {m for m in members if isinstance(m, type) and m is not type(None)}
+
+
+def _narrow(declared: object, origins: tuple[object, ...]) -> object:
+    """The member of a union whose container kind is one of ``origins`` (Any if none)."""
+    declared = strip_annotated(declared)
+    for member in union_members(declared) or (declared,):
+        member = strip_annotated(member)
+        if typing.get_origin(member) in origins or member in origins:
+            return member
+    return Any
+
+
+def item_type(declared: object, index: int) -> object:
+    """Annotation of item ``index`` of a list/tuple declared as ``declared``."""
+    seq = _narrow(declared, (*SEQUENCE_ORIGINS, tuple))
+    args = typing.get_args(seq)
+    if not args:
+        return Any
+    if typing.get_origin(seq) is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return args[0]
+        if args == ((),):
+            return Any
+        return args[index] if index < len(args) else Any
+    return args[0]
+
+
+def mapping_types(declared: object) -> tuple[object, object]:
+    """(key annotation, value annotation) of a dict declared as ``declared``."""
+    mapping = _narrow(declared, MAPPING_ORIGINS)
+    args = typing.get_args(mapping)
+    return (args[0], args[1]) if len(args) == 2 else (Any, Any)

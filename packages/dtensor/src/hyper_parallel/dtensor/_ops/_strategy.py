@@ -1,0 +1,87 @@
+"""Choosing, per mesh axis, the cheapest of an op's valid layouts."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from hyper_parallel.dtensor._dispatch import Decision, OpCall
+from hyper_parallel.dtensor._spec import DTensorSpec
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["Candidate", "choose", "local_bytes", "redistribute_cost"]
+
+Candidate = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
+"""``(input placements, output placements)`` of one layout on one mesh axis."""
+
+
+def local_bytes(spec: DTensorSpec) -> float:
+    """Approximate bytes of one rank's shard."""
+    numel = math.prod(spec.shape)
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            numel /= spec.mesh.shape[axis]
+    return numel * _itemsize(spec)
+
+
+def _itemsize(spec: DTensorSpec) -> int:
+    dtype = spec.tensor_meta.dtype
+    return dtype.itemsize if hasattr(dtype, "itemsize") else 4
+
+
+def redistribute_cost(spec: DTensorSpec, axis: int, src: Placement, dst: Placement) -> float:
+    """Bytes a rank sends to move ``spec`` from ``src`` to ``dst`` on ``axis`` (inf: impossible)."""
+    if src == dst:
+        return 0.0
+    if isinstance(dst, Partial):
+        return math.inf
+    nbytes = local_bytes(spec)
+    n = spec.mesh.shape[axis]
+    if isinstance(src, Shard):
+        return nbytes * (n - 1) if isinstance(dst, Replicate) else nbytes
+    if isinstance(src, Partial):
+        return 2.0 * nbytes if isinstance(dst, Replicate) else nbytes
+    return 1e-3 * nbytes  # a local slice: nearly free, but staying put is preferred
+
+
+def choose(
+    call: OpCall,
+    candidates_for_axis: Callable[[int], Sequence[Candidate]],
+    *,
+    n_outputs: int | None = None,
+) -> Decision:
+    """Pick, on every mesh axis independently, the candidate with the least communication.
+
+    Ties go to the earlier candidate. Outputs given as ``None`` are non-tensor.
+    """
+    mesh = call.mesh
+    n_in = len(call.specs)
+    n_out = len(call.out_metas) if n_outputs is None else n_outputs
+    inputs: list[list[Placement]] = [[] for _ in range(n_in)]
+    outputs: list[list[Placement] | None] = [[] for _ in range(n_out)]
+    for axis in range(mesh.ndim):
+        best: Candidate | None = None
+        best_cost = math.inf
+        for cand in candidates_for_axis(axis):
+            cost = 0.0
+            for spec, target in zip(call.specs, cand[0]):
+                cost += redistribute_cost(spec, axis, spec.placements[axis], target)
+                if cost >= best_cost:
+                    break
+            if cost < best_cost:
+                best, best_cost = cand, cost
+        if best is None:
+            raise RuntimeError(f"{call.func}: no valid layout on mesh axis {axis}")
+        for i, p in enumerate(best[0]):
+            inputs[i].append(p)
+        for j, p in enumerate(best[1]):
+            out = outputs[j]
+            if out is not None:
+                if p is None:
+                    outputs[j] = None
+                else:
+                    out.append(p)
+    return Decision(
+        [tuple(i) for i in inputs],
+        [tuple(o) if o is not None else None for o in outputs],
+    )

@@ -1,0 +1,116 @@
+"""Sharding rules of element-wise ops (any op tagged ``pointwise``, with broadcasting)."""
+
+from __future__ import annotations
+
+import torch
+
+from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule, register_tag_rule
+from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._spec import DTensorSpec
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+
+# Ops f with f(a + b) = f(a) + f(b): a Partial(sum/avg) input stays Partial.
+_LINEAR_UNARY = {
+    aten.neg,
+    aten.neg_,
+    aten.clone,
+    aten.detach,
+    aten.alias,
+    aten._to_copy,
+    aten.positive,
+    aten.view_as_real,
+    aten.view_as_complex,
+    aten.conj_physical,
+    aten.real,
+    aten.imag,
+}
+# Sums of all-Partial inputs stay Partial.
+_LINEAR_SUM = {aten.add, aten.add_, aten.sub, aten.sub_}
+# Products with exactly one Partial factor (the first, for division) stay Partial.
+_LINEAR_PRODUCT = {aten.mul, aten.mul_, aten.div, aten.div_}
+_SCALAR_SCALE = {aten.mul, aten.mul_, aten.div, aten.div_}
+
+
+def aligned_dim(spec: DTensorSpec, out_shape: tuple[int, ...], out_dim: int) -> int | None:
+    """The dim of ``spec`` that broadcasts onto output dim ``out_dim`` (None: absent or size 1)."""
+    j = out_dim - (len(out_shape) - spec.ndim)
+    if j < 0 or spec.shape[j] != out_shape[out_dim]:
+        return None
+    return j
+
+
+def _has_scalar_addend(call: OpCall) -> bool:
+    """True when a non-DTensor number or 0-dim tensor takes part in an add/sub."""
+    for a in call.args[:2]:
+        if not isinstance(a, DTensorSpec):
+            return True
+    return False
+
+
+def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
+    """Shard along any output dim, replicate, and keep Partial where the op is linear."""
+    out_meta = call.out_metas[0]
+    assert out_meta is not None
+    out_shape = out_meta.shape
+    n_out = len(call.out_metas)
+    specs = call.specs
+    cands: list[Candidate] = []
+    for d in range(len(out_shape)):
+        ins: list[Placement] = []
+        for s in specs:
+            j = aligned_dim(s, out_shape, d)
+            ins.append(Shard(j) if j is not None else Replicate())
+        cands.append((tuple(ins), (Shard(d),) * n_out))
+    packet = call.func.overloadpacket
+    current = [s.placements[axis] for s in specs]
+    partials = {p for p in current if isinstance(p, Partial) and p.reduce_op in ("sum", "avg")}
+    for p in partials:
+        if packet in _LINEAR_UNARY and len(specs) == 1:
+            cands.append(((p,), (p,) * n_out))
+        elif packet in _LINEAR_SUM and not _has_scalar_addend(call):
+            cands.append(((p,) * len(specs), (p,) * n_out))
+        elif packet in _LINEAR_PRODUCT:
+            if len(specs) == 1:
+                cands.append(((p,), (p,) * n_out))
+            else:
+                first_only = packet in (aten.div, aten.div_)
+                for i in range(1 if first_only else len(specs)):
+                    ins2: list[Placement] = [Replicate()] * len(specs)
+                    ins2[i] = p
+                    cands.append((tuple(ins2), (p,) * n_out))
+    cands.append(((Replicate(),) * len(specs), (Replicate(),) * n_out))
+    if call.func._schema.name.endswith("_") and specs:
+        # in place: the output is the first input, so its layout must match the output's
+        cands = [c for c in cands if c[0][0] == c[1][0]]
+    return cands
+
+
+def pointwise_rule(call: OpCall) -> Decision:
+    """The rule for element-wise ops."""
+    if call.out_metas[0] is None:
+        return None  # type: ignore[return-value]
+    return choose(call, lambda axis: pointwise_candidates(call, axis))
+
+
+def is_pointwise(func: torch._ops.OpOverload) -> bool:
+    """True for ops torch tags as element-wise."""
+    return torch.Tag.pointwise in func.tags
+
+
+register_rule(
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.positive.default,
+    aten.fill_.Scalar,
+    aten.zero_.default,
+    aten.copy_.default,
+    aten.lift_fresh.default,
+    aten.native_dropout_backward.default,
+)(pointwise_rule)
+
+
+register_tag_rule(torch.Tag.pointwise, pointwise_rule)

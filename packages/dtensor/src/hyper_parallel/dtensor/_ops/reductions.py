@@ -1,0 +1,245 @@
+"""Sharding rules of reductions: sum, mean, amax/amin, max/min, var/std, vector norms, softmax."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
+from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._spec import DTensorSpec
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.platform import get_platform
+
+aten = torch.ops.aten
+_R = Replicate()
+
+# op packet -> the Partial its local results form when a reduced dim is sharded (None: replicate)
+_PARTIAL_OF: dict[Any, str | None] = {
+    aten.sum: "sum",
+    aten.mean: "sum",  # computed as a local sum over the global count
+    aten.amax: "max",
+    aten.amin: "min",
+    aten.max: "max",
+    aten.min: "min",
+    aten.var: None,
+    aten.std: None,
+    aten.var_mean: None,
+    aten.std_mean: None,
+    aten.argmax: None,
+    aten.argmin: None,
+    aten.any: "max",
+    aten.all: "min",
+}
+# which input Partials pass through unchanged
+_KEEPS_PARTIAL = {aten.sum: ("sum", "avg"), aten.mean: ("sum", "avg"), aten.amax: ("max",), aten.amin: ("min",), aten.max: ("max",), aten.min: ("min",)}
+
+
+def _reduced_dims(call: OpCall, ndim: int) -> tuple[list[int], bool]:
+    """The reduced dims and keepdim of a reduction call."""
+    args = call.args
+    dim: Any = None
+    keepdim = False
+    if len(args) > 1 and not isinstance(args[1], torch.dtype):
+        dim = args[1]
+        if len(args) > 2 and isinstance(args[2], bool):
+            keepdim = args[2]
+    dim = call.kwargs.get("dim", dim)
+    keepdim = call.kwargs.get("keepdim", keepdim)
+    if call.func._schema.overload_name in ("correction", "correction_names") and len(args) > 3:
+        keepdim = bool(args[3])
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(ndim)), bool(keepdim)
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d + ndim if d < 0 else d for d in dims}), bool(keepdim)
+
+
+def _out_dim(d: int, reduced: Sequence[int], keepdim: bool) -> int:
+    return d if keepdim else d - sum(1 for r in reduced if r < d)
+
+
+def _reduction_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    packet = call.func.overloadpacket
+    reduced, keepdim = _reduced_dims(call, spec.ndim)
+    partial_op = _PARTIAL_OF.get(packet)
+    keeps = _KEEPS_PARTIAL.get(packet, ())
+    n_out = len(call.out_metas)
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    sharded_reduced = False
+    for p in spec.placements:
+        if isinstance(p, Shard):
+            if p.dim in reduced:
+                if partial_op is None:
+                    ins.append(_R)
+                    outs.append(_R)
+                else:
+                    ins.append(p)
+                    outs.append(Partial(partial_op))  # type: ignore[arg-type]
+                    sharded_reduced = True
+            else:
+                ins.append(p)
+                outs.append(Shard(_out_dim(p.dim, reduced, keepdim)))
+        elif isinstance(p, Partial):
+            if p.reduce_op in keeps:
+                ins.append(p)
+                outs.append(p)
+            else:
+                ins.append(_R)
+                outs.append(_R)
+        else:
+            ins.append(p)
+            outs.append(p)
+    decision = Decision([tuple(ins)], [tuple(outs)] * n_out)
+    if packet in (aten.max, aten.min) and n_out > 1:
+        # values and indices of max.dim: the index needs the whole reduced dim
+        if sharded_reduced:
+            ins2 = tuple(_R if isinstance(p, Shard) and p.dim in reduced else p for p in spec.placements)
+            return _reduction_rule_with(call, ins2, reduced, keepdim)
+    if packet is aten.mean and sharded_reduced:
+        count = math.prod(spec.shape[d] for d in reduced)
+        decision.local_fn = _mean_as_sum(count)
+    return decision
+
+
+def _reduction_rule_with(
+    call: OpCall, ins: tuple[Placement, ...], reduced: list[int], keepdim: bool
+) -> Decision:
+    outs = tuple(
+        Shard(_out_dim(p.dim, reduced, keepdim)) if isinstance(p, Shard) else p for p in ins
+    )
+    return Decision([ins], [outs] * len(call.out_metas))
+
+
+def _mean_as_sum(count: int) -> Any:
+    def local_mean(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or "dim" in kwargs:
+            dim = kwargs.pop("dim", args[0] if args else None)
+            keepdim = kwargs.pop("keepdim", args[1] if len(args) > 1 else False)
+            dtype = kwargs.pop("dtype", args[2] if len(args) > 2 else None)
+            total = torch.sum(x, dim=dim, keepdim=keepdim, dtype=dtype)
+        else:
+            total = torch.sum(x, dtype=kwargs.get("dtype"))
+        return total / count
+
+    return local_mean
+
+
+def _norm_rule(call: OpCall) -> Decision:
+    """linalg_vector_norm: shards of reduced dims combine with one all-reduce of |x|^p sums."""
+    spec = call.specs[0]
+    args = call.args
+    ord_ = args[1] if len(args) > 1 else call.kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else call.kwargs.get("dim", None)
+    keepdim = args[3] if len(args) > 3 else call.kwargs.get("keepdim", False)
+    ndim = spec.ndim
+    reduced = list(range(ndim)) if dim is None or dim == [] else sorted(
+        {d + ndim if d < 0 else d for d in ([dim] if isinstance(dim, int) else dim)}
+    )
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    sum_axes: list[int] = []
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            if p.dim in reduced:
+                ins.append(p)
+                outs.append(_R)
+                sum_axes.append(axis)
+            else:
+                ins.append(p)
+                outs.append(Shard(_out_dim(p.dim, reduced, bool(keepdim))))
+        elif isinstance(p, Partial):
+            ins.append(_R)
+            outs.append(_R)
+        else:
+            ins.append(p)
+            outs.append(p)
+    decision = Decision([tuple(ins)], [tuple(outs)])
+    if sum_axes and (float(ord_) > 0):
+        groups = [(spec.mesh.get_group(a)) for a in sum_axes]
+        decision.local_fn = _sharded_norm(float(ord_), groups)
+    elif sum_axes:
+        return None  # type: ignore[return-value]
+    return decision
+
+
+def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
+    platform = get_platform()
+
+    def local_norm(
+        x: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
+    ) -> torch.Tensor:
+        del ord
+        xs = x if dtype is None else x.to(dtype)
+        dims = dim if dim is not None else ()
+        if math.isinf(ord_):
+            # max |x|; an empty shard contributes 0, which never beats a real |x|
+            part = xs.abs().amax(dim=dims, keepdim=keepdim) if xs.numel() else xs.abs().sum(dim=dims, keepdim=keepdim)
+            for g in groups:
+                part = platform.all_reduce(part, g, "max")
+            return part
+        powered = torch.sum(xs.abs() ** ord_, dim=dims, keepdim=keepdim)
+        for g in groups:
+            powered = platform.all_reduce(powered, g, "sum")
+        return powered ** (1.0 / ord_)
+
+    return local_norm
+
+
+def _softmax_dim(call: OpCall) -> int:
+    dim = call.args[1]
+    ndim = call.specs[0].ndim
+    return dim + ndim if dim < 0 else dim
+
+
+def _softmax_rule(call: OpCall) -> Decision:
+    """softmax / log_softmax (and their backwards): any dim but the softmax dim may be sharded."""
+    dim = _softmax_dim(call)
+    n_in = len(call.specs)
+    ndim = call.specs[0].ndim
+
+    def candidates(axis: int) -> list[Candidate]:
+        cands: list[Candidate] = [
+            ((Shard(d),) * n_in, (Shard(d),)) for d in range(ndim) if d != dim
+        ]
+        cands.append(((_R,) * n_in, (_R,)))
+        return cands
+
+    return choose(call, candidates)
+
+
+register_rule(
+    aten.sum.default,
+    aten.sum.dim_IntList,
+    aten.mean.default,
+    aten.mean.dim,
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.default,
+    aten.min.default,
+    aten.max.dim,
+    aten.min.dim,
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.var.correction,
+    aten.std.correction,
+    aten.var_mean.correction,
+    aten.std_mean.correction,
+    aten.any.default,
+    aten.any.dim,
+    aten.any.dims,
+    aten.all.default,
+    aten.all.dim,
+    aten.all.dims,
+)(_reduction_rule)
+register_rule(aten.linalg_vector_norm.default)(_norm_rule)
+register_rule(
+    aten._softmax.default,
+    aten._log_softmax.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+)(_softmax_rule)

@@ -1,0 +1,207 @@
+"""Moving a local shard from one set of placements to another with the cheapest collectives.
+
+Per mesh axis: S->R all-gather, P->R all-reduce, P->S reduce-scatter, S(i)->S(j)
+all-to-all, R->S a local slice. Uneven and empty shards follow ``torch.chunk``:
+shards are padded to the largest chunk for the collective and trimmed after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hyper_parallel.dtensor import _comm_log
+from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.platform import get_platform
+
+__all__ = ["check_redistribute_target", "redistribute_local"]
+
+
+def check_redistribute_target(
+    src: Sequence[Placement], dst: Sequence[Placement], *, where: str
+) -> None:
+    """Raise unless every target placement is reachable (Partial only when unchanged)."""
+    for axis, (s, d) in enumerate(zip(src, dst)):
+        if isinstance(d, Partial) and s != d:
+            raise ValueError(
+                f"{where}: mesh axis {axis}: cannot redistribute {s!r} to {d!r}; redistributing "
+                "to Partial is not supported (a Partial value only arises from computation). "
+                "Use Replicate() or Shard(dim) as the target."
+            )
+
+
+def _pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    pad_shape = list(t.shape)
+    pad_shape[dim] = missing
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+
+
+def _stacked_to_dim(stacked: torch.Tensor, dim: int, bounds: Sequence[int]) -> torch.Tensor:
+    """Concatenate the ``n`` padded chunks of ``stacked`` (shape ``(n, ...)``) along ``dim``."""
+    n = stacked.shape[0]
+    full = bounds[1] - bounds[0]
+    if bounds[-1] == full * n:
+        if dim == 0:
+            return stacked.reshape((n * stacked.shape[1], *stacked.shape[2:]))
+        moved = stacked.movedim(0, dim)
+        shape = list(moved.shape)
+        shape[dim : dim + 2] = [shape[dim] * shape[dim + 1]]
+        return moved.reshape(shape)
+    pieces = [stacked[r].narrow(dim, 0, bounds[r + 1] - bounds[r]) for r in range(n)]
+    return torch.cat(pieces, dim=dim)
+
+
+def _split_to_stacked(t: torch.Tensor, dim: int, bounds: Sequence[int]) -> torch.Tensor:
+    """Split ``t`` along ``dim`` into ``torch.chunk`` pieces, padded and stacked to ``(n, ...)``."""
+    n = len(bounds) - 1
+    full = bounds[1] - bounds[0]
+    if bounds[-1] == full * n:
+        shape = list(t.shape)
+        shape[dim : dim + 1] = [n, full]
+        return t.reshape(shape).movedim(dim, 0) if full > 0 else t.new_zeros([n, *t.shape])
+    pieces = [_pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)]
+    return torch.stack(pieces, dim=0)
+
+
+def _slice(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return t.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+
+
+def _dim_size_at_axis(
+    spec_shape: Sequence[int],
+    mesh: DeviceMesh,
+    coordinate: Sequence[int],
+    current: Sequence[Placement],
+    axis: int,
+    dim: int,
+) -> int:
+    """Size of tensor dim ``dim`` that mesh axis ``axis`` splits (after the outer axes split it)."""
+    outer = [p if i < axis else Replicate() for i, p in enumerate(current)]
+    shape, _ = local_shape_and_offset(spec_shape, mesh.shape, coordinate, outer)
+    return shape[dim]
+
+
+def _gather_set(src: Sequence[Placement], dst: Sequence[Placement], use_all_to_all: set[int]) -> set[int]:
+    """Mesh axes whose shard must be all-gathered (inner nested shards of a moving dim too)."""
+    gather: set[int] = set()
+    for i, s in enumerate(src):
+        if not isinstance(s, Shard) or i in use_all_to_all:
+            continue
+        if dst[i] != s:
+            gather.add(i)
+            continue
+        for k in range(i):
+            outer_moves = src[k] == s and k in gather
+            outer_new = dst[k] == s and src[k] != s
+            if outer_moves or outer_new:
+                gather.add(i)
+                break
+    return gather
+
+
+def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """True when no mesh axis but ``axis`` shards tensor dim ``dim`` before or after."""
+    return not any(
+        (isinstance(p, Shard) and p.dim == dim)
+        for placements in (src, dst)
+        for i, p in enumerate(placements)
+        if i != axis
+    )
+
+
+def redistribute_local(
+    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
+) -> torch.Tensor:
+    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd)."""
+    src = spec.placements
+    if src == dst:
+        return local
+    mesh = spec.mesh
+    platform = get_platform()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return local
+    global_shape = spec.shape
+
+    all_to_all_axes: set[int] = set()
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if (
+            isinstance(s, Shard)
+            and isinstance(d, Shard)
+            and s.dim != d.dim
+            and _is_lone_shard(s.dim, i, src, dst)
+            and _is_lone_shard(d.dim, i, src, dst)
+        ):
+            all_to_all_axes.add(i)
+    gather = _gather_set(src, dst, all_to_all_axes)
+    current: list[Placement] = list(src)
+
+    # 1. all-gather, innermost axis first, so nested shards of one dim unwind in order.
+    for axis in sorted(gather, reverse=True):
+        p = current[axis]
+        assert isinstance(p, Shard)
+        n = mesh.size(axis)
+        parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
+        bounds = chunk_bounds(parent, n)
+        padded = _pad_dim(local, p.dim, bounds[1] - bounds[0])
+        stacked = platform.all_gather(padded, mesh.get_group(axis))
+        _comm_log.record("all_gather", padded, n)
+        local = _stacked_to_dim(stacked, p.dim, bounds)
+        current[axis] = Replicate()
+
+    # 2. reduce partial values: all-reduce, or reduce-scatter straight into a lone shard.
+    for axis, (s, d) in enumerate(zip(src, dst)):
+        if not isinstance(s, Partial) or s == d:
+            continue
+        n = mesh.size(axis)
+        group = mesh.get_group(axis)
+        if isinstance(d, Shard) and _is_lone_shard(d.dim, axis, current, dst):
+            bounds = chunk_bounds(local.shape[d.dim], n)
+            stacked = _split_to_stacked(local, d.dim, bounds)
+            reduced = platform.reduce_scatter(stacked, group, s.reduce_op)
+            _comm_log.record("reduce_scatter", stacked, n)
+            r = mesh.get_local_rank(axis)
+            local = reduced.narrow(d.dim, 0, bounds[r + 1] - bounds[r])
+            if local.shape[d.dim] != reduced.shape[d.dim]:
+                local = local.contiguous()
+            current[axis] = d
+        else:
+            local = platform.all_reduce(local, group, s.reduce_op)
+            _comm_log.record("all_reduce", local, n)
+            current[axis] = Replicate()
+
+    # 3. all-to-all between two lone shards of one axis.
+    for axis in sorted(all_to_all_axes):
+        s, d = current[axis], dst[axis]
+        assert isinstance(s, Shard) and isinstance(d, Shard)
+        n = mesh.size(axis)
+        r = mesh.get_local_rank(axis)
+        src_bounds = chunk_bounds(global_shape[s.dim], n)
+        dst_bounds = chunk_bounds(global_shape[d.dim], n)
+        padded = _pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
+        stacked = _split_to_stacked(padded, d.dim, dst_bounds)
+        exchanged = platform.all_to_all(stacked, mesh.get_group(axis))
+        _comm_log.record("all_to_all", stacked, n)
+        # slot j holds rank j's rows of dim s.dim (padded) for this rank's chunk of d.dim
+        mine = dst_bounds[r + 1] - dst_bounds[r]
+        exchanged = exchanged.narrow(d.dim + 1, 0, mine)
+        local = _stacked_to_dim(exchanged, s.dim, src_bounds)
+        current[axis] = d
+
+    # 4. local slices, outermost axis first.
+    for axis, d in enumerate(dst):
+        if isinstance(d, Shard) and current[axis] != d:
+            assert current[axis] == Replicate(), (current, dst)
+            n = mesh.size(axis)
+            parent = local.shape[d.dim]
+            r = mesh.get_local_rank(axis)
+            bounds = chunk_bounds(parent, n)
+            local = _slice(local, d.dim, bounds[r], bounds[r + 1] - bounds[r])
+            current[axis] = d
+    return local

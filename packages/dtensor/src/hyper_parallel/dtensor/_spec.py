@@ -1,0 +1,195 @@
+"""The layout of a DTensor: mesh, placements, global metadata, and the chunk arithmetic."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from hyper_parallel.dtensor.device_mesh import DeviceMesh
+
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "chunk_bounds",
+    "chunk_range",
+    "local_shape_and_offset",
+    "normalize_placements",
+]
+
+
+class TensorMeta:
+    """Global shape, stride and dtype of a distributed tensor (an immutable value)."""
+
+    __slots__ = ("_hash", "dtype", "shape", "stride")
+
+    def __init__(self, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> None:
+        self.shape = tuple(int(s) for s in shape)
+        self.stride = tuple(int(s) for s in stride)
+        self.dtype = dtype
+        self._hash = hash((self.shape, self.stride, self.dtype))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TensorMeta)
+            and self.shape == other.shape
+            and self.stride == other.stride
+            and self.dtype == other.dtype
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"TensorMeta(shape={self.shape}, stride={self.stride}, dtype={self.dtype})"
+
+
+class DTensorSpec:
+    """Where a DTensor lives: its mesh, one placement per mesh axis, and its global meta.
+
+    Specs are immutable, hashable values: the dispatcher's cache keys are built from them.
+    """
+
+    __slots__ = ("_hash", "mesh", "placements", "tensor_meta")
+
+    def __init__(
+        self, mesh: DeviceMesh, placements: tuple[Placement, ...], tensor_meta: TensorMeta
+    ) -> None:
+        self.mesh = mesh
+        self.placements = placements
+        self.tensor_meta = tensor_meta
+        self._hash = hash((mesh, placements, tensor_meta))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor_meta.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.tensor_meta.shape)
+
+    def with_placements(self, placements: tuple[Placement, ...]) -> DTensorSpec:
+        """The same tensor laid out with other placements."""
+        return DTensorSpec(self.mesh, placements, self.tensor_meta)
+
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def has_partial(self) -> bool:
+        return any(p.is_partial() for p in self.placements)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DTensorSpec)
+            and self._hash == other._hash
+            and self.placements == other.placements
+            and self.tensor_meta == other.tensor_meta
+            and self.mesh == other.mesh
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"DTensorSpec(placements={self.placements}, shape={self.shape}, mesh={self.mesh})"
+
+
+def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of chunk ``index`` when ``size`` is split like ``torch.chunk``.
+
+    The first chunks hold ``ceil(size / num_chunks)`` elements; later ones may be
+    shorter or empty.
+
+    Example::
+
+        >>> [chunk_range(5, 4, i) for i in range(4)]
+        [(0, 2), (2, 2), (4, 1), (5, 0)]
+    """
+    full = -(-size // num_chunks) if num_chunks > 0 else 0
+    start = min(full * index, size)
+    end = min(start + full, size)
+    return start, end - start
+
+
+def chunk_bounds(size: int, num_chunks: int) -> tuple[int, ...]:
+    """The ``num_chunks + 1`` boundaries of ``torch.chunk``-style chunks of ``size``.
+
+    Example::
+
+        >>> chunk_bounds(5, 4)
+        (0, 2, 4, 5, 5)
+    """
+    full = -(-size // num_chunks)
+    return tuple(min(full * i, size) for i in range(num_chunks + 1))
+
+
+def normalize_placements(
+    placements: Sequence[Placement], mesh_ndim: int, tensor_ndim: int, *, where: str
+) -> tuple[Placement, ...]:
+    """Validate placements against a mesh and tensor, wrapping negative shard dims.
+
+    Raises ``ValueError`` naming ``where`` when the count or a shard dim is off.
+    """
+    if isinstance(placements, Placement):
+        raise TypeError(
+            f"{where}: placements must be a sequence with one Placement per mesh axis, "
+            f"found a bare {placements!r}; write ({placements!r},)"
+        )
+    result: list[Placement] = []
+    if len(placements) != mesh_ndim:
+        raise ValueError(
+            f"{where}: expected {mesh_ndim} placement(s), one per mesh axis, "
+            f"found {len(placements)}: {tuple(placements)}"
+        )
+    for axis, p in enumerate(placements):
+        if not isinstance(p, Placement):
+            raise TypeError(
+                f"{where}: mesh axis {axis}: expected a Placement (Shard, Replicate, Partial), "
+                f"found {p!r}"
+            )
+        if isinstance(p, Shard):
+            dim = p.dim + tensor_ndim if p.dim < 0 else p.dim
+            if not 0 <= dim < tensor_ndim:
+                raise ValueError(
+                    f"{where}: mesh axis {axis}: Shard(dim={p.dim}) is out of range "
+                    f"for a tensor with {tensor_ndim} dim(s)"
+                )
+            if dim != p.dim:
+                p = Shard(dim)
+        result.append(p)
+    return tuple(result)
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shard shape and global offset of the rank at ``coordinate``.
+
+    Mesh axes that shard the same tensor dim nest in axis order: the first axis
+    splits the dim, the next splits each piece again.
+
+    Example::
+
+        >>> local_shape_and_offset((5, 4), (2,), (1,), (Shard(0),))
+        ((2, 4), (3, 0))
+    """
+    shape = list(global_shape)
+    offset = [0] * len(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            start, length = chunk_range(shape[p.dim], mesh_shape[axis], coordinate[axis])
+            offset[p.dim] += start
+            shape[p.dim] = length
+    return tuple(shape), tuple(offset)
+
+
+def replicate_all(ndim: int) -> tuple[Placement, ...]:
+    """``(Replicate(),) * ndim``."""
+    return (Replicate(),) * ndim
