@@ -1,1 +1,17 @@
-"""The PyTorch platform adapter for hyper-parallel."""
+"""The PyTorch platform adapter for hyper-parallel: CPU (gloo), CUDA (nccl), Ascend NPU (hccl).
+
+``TorchPlatform`` implements ``hyper_parallel.platform.Platform`` and is registered
+under the entry point ``torch`` of the group ``hyper_parallel.platforms``.
+Submodules: ``comm`` (out-of-place collectives), ``collectives`` (differentiable
+collectives), ``devices`` (device specifics), ``launch`` (``run_distributed``).
+
+Example::
+
+    >>> from hyper_parallel.platform_torch import TorchPlatform
+    >>> TorchPlatform().backend_for("cpu")
+    'gloo'
+"""
+
+from hyper_parallel.platform_torch.platform import TorchPlatform
+
+__all__ = ["TorchPlatform"]

@@ -1,0 +1,129 @@
+"""The ``Platform`` protocol: everything hyper-parallel needs from a framework, and no more."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Platform", "ReduceOpName"]
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """A framework adapter: tensor types, devices, process groups and collectives.
+
+    All collectives are *out of place* (they return new tensors and leave their
+    inputs untouched), accept non-contiguous inputs, and use *group-local* ranks:
+    ``src`` and the stacking order of results are positions in the ``ranks``
+    list given to :meth:`new_group`. Every rank of ``group`` must call a
+    collective in the same order with the same shapes. ``group=None`` means the
+    default (world) group.
+
+    Example::
+
+        >>> from hyper_parallel.platform import get_platform
+        >>> platform = get_platform()
+        >>> platform.backend_for("cpu")
+        'gloo'
+    """
+
+    #: Short name under which the adapter is registered (``"torch"``).
+    name: str
+    #: The framework's module base class (``torch.nn.Module``).
+    Module: type[torch.nn.Module]
+    #: The framework's parameter class (``torch.nn.Parameter``).
+    Parameter: type[torch.nn.Parameter]
+    #: The framework's tensor class (``torch.Tensor``).
+    Tensor: type[torch.Tensor]
+
+    def is_tensor(self, obj: object) -> bool:
+        """True when ``obj`` is a framework tensor (including parameters and subclasses)."""
+        ...
+
+    # -- devices ---------------------------------------------------------------
+    def backend_for(self, device_type: str) -> str:
+        """Communication backend for ``device_type``: cpu→gloo, cuda→nccl, npu→hccl."""
+        ...
+
+    def device_for(self, device_type: str) -> torch.device:
+        """This process's device of ``device_type`` (accelerators: ``LOCAL_RANK % count``)."""
+        ...
+
+    def ensure_device_type(self, device_type: str) -> None:
+        """Check ``device_type`` is usable here (for npu: import torch_npu), else raise clearly."""
+        ...
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        """A copy of the random generator state of ``device``."""
+        ...
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        """Restore the random generator state of ``device`` from ``get_rng_state``."""
+        ...
+
+    # -- process groups --------------------------------------------------------
+    def is_initialized(self) -> bool:
+        """True once the default process group of this process exists."""
+        ...
+
+    def init_process_group(self, device_type: str, *, timeout_s: float = 300.0) -> None:
+        """Create the default process group from ``RANK``/``WORLD_SIZE``/``MASTER_*`` (env://)."""
+        ...
+
+    def get_rank(self) -> int:
+        """Global rank of this process in the default group."""
+        ...
+
+    def get_world_size(self) -> int:
+        """Number of processes in the default group."""
+        ...
+
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup:
+        """A process group over global ``ranks``; group-rank ``i`` is ``ranks[i]``.
+
+        Collective: every rank of the world calls it, in the same order, with the
+        same ``ranks``. On ranks not in ``ranks`` the result is a placeholder that
+        must not be used.
+        """
+        ...
+
+    # -- collectives (out of place, group-local ranks) -------------------------
+    def all_gather(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        """Stack every rank's ``tensor`` in group-rank order: shape ``(group_size, *shape)``."""
+        ...
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+    ) -> torch.Tensor:
+        """Element-wise reduction of every rank's ``tensor`` ("avg" needs a floating dtype)."""
+        ...
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+    ) -> torch.Tensor:
+        """Reduce ``(group_size, *chunk)`` inputs across ranks; return this rank's ``chunk``."""
+        ...
+
+    def all_to_all(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        """Input slot ``i`` goes to group-rank ``i``; output slot ``j`` came from group-rank ``j``."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, group: ProcessGroup | None, src: int) -> torch.Tensor:
+        """Group-rank ``src``'s ``tensor`` on every rank (a new tensor, never the input)."""
+        ...
+
+    def scatter(
+        self,
+        chunks: list[torch.Tensor] | None,
+        like: torch.Tensor,
+        group: ProcessGroup | None,
+        src: int,
+    ) -> torch.Tensor:
+        """Group-rank ``src`` sends ``chunks[i]`` to group-rank ``i``; ``like`` gives shape/dtype."""
+        ...

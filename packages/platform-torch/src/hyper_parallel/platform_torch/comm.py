@@ -1,0 +1,407 @@
+"""Process groups and out-of-place collectives over torch.distributed, with group-local ranks.
+
+Every collective returns a new contiguous tensor and leaves its input untouched;
+inputs may be non-contiguous. ``group=None`` is the default (world) group. A
+group of one process needs no communication and is answered locally.
+
+Where a backend lacks a native collective (older gloo: reduce-scatter,
+all-to-all, all-gather into one tensor) an equivalent built from the collectives
+it has is used; which backends lack what is learnt from the first call that the
+backend refuses (the refusal is local and identical on every rank).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from hyper_parallel.platform_torch.devices import backend_for, set_current_device
+
+__all__ = [
+    "REDUCE_OPS",
+    "ReduceOpName",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "reduce_scatter",
+    "scatter",
+]
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+# (backend, collective) pairs a backend refused as unsupported; see the module docstring.
+_UNSUPPORTED: set[tuple[str, str]] = set()
+
+
+# -- process groups ------------------------------------------------------------
+def is_initialized() -> bool:
+    """True once the default process group of this process exists.
+
+    Example::
+
+        >>> is_initialized()
+        False
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(device_type: str, *, timeout_s: float = 300.0) -> None:
+    """Create the default process group by env:// rendezvous, backend from ``device_type``.
+
+    Reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` (as set by
+    :func:`hyper_parallel.platform_torch.launch.run_distributed` or torchrun); on
+    accelerators it first makes ``LOCAL_RANK``'s device the current one.
+
+    Example::
+
+        >>> init_process_group("cpu", timeout_s=60)  # doctest: +SKIP
+    """
+    backend = backend_for(device_type)
+    if is_initialized():
+        raise RuntimeError(
+            f"init_process_group({device_type!r}): the default process group already exists "
+            f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()})"
+        )
+    missing = [name for name in _RENDEZVOUS_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_process_group({device_type!r}) needs the environment variables "
+            f"{_RENDEZVOUS_VARS}; missing {tuple(missing)}. Start the processes with "
+            f"hyper_parallel.platform_torch.launch.run_distributed or torchrun"
+        )
+    if timeout_s <= 0:
+        raise ValueError(f"init_process_group: timeout_s must be > 0, got {timeout_s}")
+    set_current_device(device_type)
+    dist.init_process_group(
+        backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _require_initialized(what: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(
+            f"{what} needs the default process group; call init_process_group(device_type) "
+            f"first or run under hyper_parallel.platform_torch.launch.run_distributed"
+        )
+
+
+def get_rank() -> int:
+    """Global rank of this process.
+
+    Example::
+
+        >>> get_rank()  # doctest: +SKIP
+        0
+    """
+    _require_initialized("get_rank()")
+    return dist.get_rank()
+
+
+def get_world_size() -> int:
+    """Number of processes in the default group.
+
+    Example::
+
+        >>> get_world_size()  # doctest: +SKIP
+        4
+    """
+    _require_initialized("get_world_size()")
+    return dist.get_world_size()
+
+
+@functools.cache
+def _new_group_keeps_order() -> bool:
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def new_group(ranks: Sequence[int]) -> ProcessGroup:
+    """A process group over global ``ranks`` whose group-rank ``i`` is ``ranks[i]``.
+
+    Collective over the default group: every rank calls it with the same ranks, in
+    the same order. On ranks outside ``ranks`` the result is a placeholder.
+
+    Example::
+
+        >>> pairs = [new_group(r) for r in ([0, 1], [2, 3])]  # doctest: +SKIP
+    """
+    _require_initialized("new_group()")
+    world_size = dist.get_world_size()
+    members = [int(rank) for rank in ranks]
+    if not members:
+        raise ValueError("new_group: expected at least one rank, got []")
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks must be distinct, got {members}")
+    out_of_range = [rank for rank in members if not 0 <= rank < world_size]
+    if out_of_range:
+        raise ValueError(
+            f"new_group: ranks must be in [0, {world_size}) (the world size), "
+            f"got {out_of_range} in {members}"
+        )
+    if _new_group_keeps_order():
+        group = dist.new_group(ranks=members, sort_ranks=False)
+    elif members == sorted(members):
+        group = dist.new_group(ranks=members)
+    else:
+        raise ValueError(
+            f"new_group: torch {torch.__version__} always sorts group ranks; "
+            f"ranks must be ascending, got {members}"
+        )
+    return cast(ProcessGroup, group)
+
+
+# -- helpers -------------------------------------------------------------------
+def _size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _dense_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _check_reduce_op(what: str, tensor: torch.Tensor, reduce_op: str) -> None:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"{what}: reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+    if reduce_op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"{what}(reduce_op='avg') needs a floating-point tensor, got dtype {tensor.dtype} "
+            f"(an integer average would be truncated); convert with .float() or use 'sum'"
+        )
+
+
+def _check_leading(what: str, tensor: torch.Tensor, group_size: int) -> None:
+    if tensor.dim() == 0 or tensor.shape[0] != group_size:
+        raise ValueError(
+            f"{what}: expected an input of shape (group_size={group_size}, *chunk), "
+            f"got {tuple(tensor.shape)}"
+        )
+
+
+def _check_src(what: str, src: int, group_size: int) -> None:
+    if not 0 <= src < group_size:
+        raise ValueError(f"{what}: src must be a group rank in [0, {group_size}), got {src}")
+
+
+def _is_unsupported(error: BaseException) -> bool:
+    message = str(error).lower()
+    return any(
+        phrase in message
+        for phrase in ("not support", "unsupported", "not implemented", "does not implement")
+    )
+
+
+def _native_or_fallback(
+    collective: str,
+    group: ProcessGroup | None,
+    native: Callable[[], torch.Tensor],
+    fallback: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    key = (dist.get_backend(group), collective)
+    if key not in _UNSUPPORTED:
+        try:
+            return native()
+        except (RuntimeError, NotImplementedError) as error:
+            if not _is_unsupported(error):
+                raise
+            _UNSUPPORTED.add(key)
+    return fallback()
+
+
+# -- collectives ---------------------------------------------------------------
+def all_gather(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Stack every group rank's ``tensor`` (same shape everywhere) in group-rank order.
+
+    Example::
+
+        >>> all_gather(torch.tensor([rank]), group)  # doctest: +SKIP
+        tensor([[0], [1]])  # on every rank of a 2-rank group
+    """
+    size, _ = _size_and_rank(group)
+    source = tensor.contiguous()
+    if size == 1:
+        return _dense_copy(source).unsqueeze(0)
+    out = source.new_empty((size, *source.shape))
+
+    def native() -> torch.Tensor:
+        # Flat views: the concatenated layout every backend accepts equals the stacked one.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), source.view(-1), group=group)
+        return out
+
+    def fallback() -> torch.Tensor:
+        return _all_gather_by_list(source, out, group)
+
+    return _native_or_fallback("all_gather_into_tensor", group, native, fallback)
+
+
+def _all_gather_by_list(
+    source: torch.Tensor, out: torch.Tensor, group: ProcessGroup | None
+) -> torch.Tensor:
+    dist.all_gather(list(out.unbind(0)), source, group=group)
+    return out
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+) -> torch.Tensor:
+    """Element-wise ``reduce_op`` ("sum", "avg", "max", "min") of every rank's ``tensor``.
+
+    "avg" is a sum divided by the group size, on every backend; it needs a
+    floating-point (or complex) dtype and raises ``TypeError`` for integers.
+
+    Example::
+
+        >>> all_reduce(torch.tensor([1.0 + rank]), group, "avg")  # doctest: +SKIP
+        tensor([1.5])  # on every rank of a 2-rank group
+    """
+    _check_reduce_op("all_reduce", tensor, reduce_op)
+    size, _ = _size_and_rank(group)
+    out = _dense_copy(tensor)
+    if size == 1:
+        return out
+    dist.all_reduce(out, op=_NATIVE_OPS["sum" if reduce_op == "avg" else reduce_op], group=group)
+    if reduce_op == "avg":
+        out.div_(size)
+    return out
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+) -> torch.Tensor:
+    """Reduce the ``(group_size, *chunk)`` inputs across ranks; return this rank's ``chunk``.
+
+    Example::
+
+        >>> reduce_scatter(torch.ones(2, 3), group, "sum")  # doctest: +SKIP
+        tensor([2., 2., 2.])  # on every rank of a 2-rank group
+    """
+    _check_reduce_op("reduce_scatter", tensor, reduce_op)
+    size, rank = _size_and_rank(group)
+    _check_leading("reduce_scatter", tensor, size)
+    if size == 1:
+        return _dense_copy(tensor[0])
+    source = tensor.contiguous()
+    op = _NATIVE_OPS["sum" if reduce_op == "avg" else reduce_op]
+
+    def native() -> torch.Tensor:
+        out = source.new_empty(source.shape[1:])
+        reduce_scatter_single = getattr(dist, "reduce_scatter_single", None)
+        if reduce_scatter_single is None:
+            dist.reduce_scatter_tensor(out.view(-1), source.view(-1), op=op, group=group)
+        else:
+            reduce_scatter_single(out.view(-1), source.view(-1), op=op, group=group)
+        return out
+
+    def fallback() -> torch.Tensor:
+        reduced = _dense_copy(source)
+        dist.all_reduce(reduced, op=op, group=group)
+        return reduced[rank].clone()
+
+    out = _native_or_fallback("reduce_scatter", group, native, fallback)
+    if reduce_op == "avg":
+        out.div_(size)
+    return out
+
+
+def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Send input slot ``i`` to group-rank ``i``; output slot ``j`` came from group-rank ``j``.
+
+    Example::
+
+        >>> all_to_all(torch.tensor([10 * rank, 10 * rank + 1]), group)  # doctest: +SKIP
+        tensor([0, 10])  # on rank 0 of a 2-rank group; tensor([1, 11]) on rank 1
+    """
+    size, rank = _size_and_rank(group)
+    _check_leading("all_to_all", tensor, size)
+    source = tensor.contiguous()
+    if size == 1:
+        return _dense_copy(source)
+
+    def native() -> torch.Tensor:
+        out = torch.empty_like(source)
+        dist.all_to_all_single(out.view(-1), source.view(-1), group=group)
+        return out
+
+    def fallback() -> torch.Tensor:
+        return all_gather(source, group)[:, rank].clone()
+
+    return _native_or_fallback("all_to_all_single", group, native, fallback)
+
+
+def broadcast(tensor: torch.Tensor, group: ProcessGroup | None, src: int) -> torch.Tensor:
+    """Group-rank ``src``'s ``tensor`` on every rank, as a new tensor.
+
+    Every rank passes a tensor of the same shape and dtype; only ``src``'s values
+    are read. The result never aliases the input, on any rank.
+
+    Example::
+
+        >>> broadcast(torch.tensor([rank]), group, src=1)  # doctest: +SKIP
+        tensor([1])  # on every rank
+    """
+    size, _ = _size_and_rank(group)
+    _check_src("broadcast", src, size)
+    out = _dense_copy(tensor)
+    if size > 1:
+        dist.broadcast(out, src=_global_rank(group, src), group=group)
+    return out
+
+
+def scatter(
+    chunks: list[torch.Tensor] | None,
+    like: torch.Tensor,
+    group: ProcessGroup | None,
+    src: int,
+) -> torch.Tensor:
+    """Group-rank ``src`` sends ``chunks[i]`` to group-rank ``i``; each rank gets its chunk.
+
+    ``src`` passes ``group_size`` chunks shaped like ``like``; other ranks pass
+    ``None`` (ignored if given). ``like`` gives every rank the chunk's shape,
+    dtype and device (its values are not read).
+
+    Example::
+
+        >>> chunks = list(torch.arange(4.0).chunk(2)) if rank == 0 else None  # doctest: +SKIP
+        >>> scatter(chunks, torch.empty(2), group, src=0)  # doctest: +SKIP
+        tensor([2., 3.])  # on rank 1
+    """
+    size, rank = _size_and_rank(group)
+    _check_src("scatter", src, size)
+    sources: list[torch.Tensor] | None = None
+    if rank == src:
+        if chunks is None or len(chunks) != size:
+            found = "None" if chunks is None else f"{len(chunks)} chunks"
+            raise ValueError(f"scatter: src rank {src} must pass {size} chunks, got {found}")
+        for index, chunk in enumerate(chunks):
+            if chunk.shape != like.shape or chunk.dtype != like.dtype:
+                raise ValueError(
+                    f"scatter: chunk {index} has shape {tuple(chunk.shape)} and dtype "
+                    f"{chunk.dtype}; expected {tuple(like.shape)} and {like.dtype} (from like)"
+                )
+        sources = [chunk.contiguous() for chunk in chunks]
+    if size == 1:
+        assert sources is not None
+        return _dense_copy(sources[0])
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    dist.scatter(out, sources, src=_global_rank(group, src), group=group)
+    return out

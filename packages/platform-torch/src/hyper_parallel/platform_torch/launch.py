@@ -1,0 +1,305 @@
+"""``run_distributed``: run a function on N local processes that share a process group.
+
+The parent hosts the rendezvous store itself (on a port the OS picks, so there is
+no race for a "free" port), starts one process per rank from a forkserver that
+has already imported torch, and collects each rank's result or traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform_torch import comm
+from hyper_parallel.platform_torch.devices import backend_for
+
+__all__ = ["DistributedRunError", "StartMethod", "run_distributed"]
+
+R = TypeVar("R")
+StartMethod = Literal["forkserver", "spawn"]
+
+#: forkserver: the server imports torch once and forks a ready process per rank
+#: (measured ~4x faster than spawn for 4 ranks); ``fork`` is never used because
+#: forking a process whose torch threads already run can deadlock.
+DEFAULT_START_METHOD: StartMethod = "forkserver"
+_PRELOAD = ["torch", "torch.distributed", __name__]
+# After the first failure, how long to let the other ranks report before killing them.
+_FAILURE_GRACE_S = 2.0
+_EXIT_PARENT_GONE = 70
+
+
+class DistributedRunError(RuntimeError):
+    """One or more ranks of :func:`run_distributed` failed or did not finish in time.
+
+    ``failures`` maps each failing rank to its traceback (or exit description), in
+    the order the failures arrived (the first is usually the cause);
+    ``unfinished`` lists the ranks that were still running when the run was stopped.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str], unfinished: Sequence[int]):
+        super().__init__(message)
+        self.failures = dict(failures)
+        self.unfinished = list(unfinished)
+
+
+def run_distributed(
+    fn: Callable[..., R],
+    world_size: int,
+    *,
+    args: Sequence[object] = (),
+    kwargs: Mapping[str, object] | None = None,
+    device_type: str = "cpu",
+    timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    start_method: StartMethod = DEFAULT_START_METHOD,
+) -> list[R]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return their results in rank order.
+
+    Each rank runs in its own process with ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set (plus ``env``, applied over this
+    process's environment) and the default process group initialised for
+    ``device_type``; on CPU it calls ``torch.set_num_threads(1)``. ``fn``, the
+    arguments and the results must be picklable (``fn`` defined at module level).
+    The process group is destroyed when ``fn`` returns.
+
+    Raises ``DistributedRunError`` naming every failing rank with its traceback,
+    or, after ``timeout_s``, the ranks that had not finished; the other ranks are
+    killed, never left behind. Ctrl-C kills all ranks and re-raises.
+
+    Example::
+
+        >>> def rank_squared() -> int:  # at module level in real code
+        ...     return dist.get_rank() ** 2
+        >>> run_distributed(rank_squared, 3)  # doctest: +SKIP
+        [0, 1, 4]
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"run_distributed: timeout_s must be > 0, got {timeout_s}")
+    backend_for(device_type)
+    try:
+        payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as error:
+        raise TypeError(
+            f"run_distributed: fn and its arguments must be picklable (define fn at module "
+            f"level); pickling {_describe(fn)} failed: {error}"
+        ) from error
+
+    context: ForkServerContext | SpawnContext
+    if start_method == "forkserver":
+        context = multiprocessing.get_context("forkserver")
+        # Only takes effect when this process's forkserver is first started.
+        context.set_forkserver_preload(_PRELOAD)
+    else:
+        context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
+    )
+    base_env = {**os.environ, **(env or {})}
+    base_env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        # The rendezvous store is the one this process hosts: every rank is a client.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    processes: list[BaseProcess] = []
+    readers: list[Connection] = []
+    keep_alive: list[Connection] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = context.Pipe(duplex=False)
+            alive_reader, alive_writer = context.Pipe(duplex=False)
+            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            process: BaseProcess = context.Process(
+                target=_run_rank,
+                args=(payload, rank_env, device_type, timeout_s, writer, alive_reader),
+                name=f"hyper-parallel-rank-{rank}",
+            )
+            process.start()
+            writer.close()
+            alive_reader.close()
+            processes.append(process)
+            readers.append(reader)
+            keep_alive.append(alive_writer)
+        results, failures, unfinished, timed_out = _collect(processes, readers, timeout_s)
+        if not (failures or unfinished):
+            for finished in processes:  # let every rank finish tearing down its group
+                finished.join(timeout=5.0)
+    finally:
+        _stop(processes, keep_alive)
+        for reader in readers:
+            reader.close()
+        del store
+    if failures or unfinished:
+        raise DistributedRunError(
+            _failure_message(fn, world_size, timeout_s, failures, unfinished, timed_out),
+            failures,
+            unfinished,
+        )
+    return [results[rank] for rank in range(world_size)]
+
+
+def _collect(
+    processes: list[BaseProcess], readers: list[Connection], timeout_s: float
+) -> tuple[dict[int, Any], dict[int, str], list[int], bool]:
+    """Wait for every rank's report until all reported, one failed (plus grace), or timeout."""
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    pending = set(range(len(processes)))
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = not failures
+            break
+        waitables: list[Any] = [readers[rank] for rank in pending]
+        waitables += [processes[rank].sentinel for rank in pending]
+        wait(waitables, timeout=deadline - now)
+        for rank in sorted(pending):
+            report = _read_report(processes[rank], readers[rank])
+            if report is None:
+                continue
+            pending.discard(rank)
+            status, value = report
+            if status == "ok":
+                results[rank] = value
+            else:
+                failures[rank] = value
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    return results, failures, sorted(pending), timed_out
+
+
+def _read_report(process: BaseProcess, reader: Connection) -> tuple[str, Any] | None:
+    """A rank's ``("ok", result)`` / ``("error", text)``, or None while it is still running."""
+    if reader.poll(0):
+        try:
+            status, value = pickle.loads(reader.recv_bytes())
+        except EOFError:
+            pass
+        except Exception:
+            return "error", f"its result could not be unpickled:\n{traceback.format_exc()}"
+        else:
+            return status, value
+    if process.is_alive():
+        return None
+    return "error", f"process exited with {_describe_exit(process.exitcode)} without a result"
+
+
+def _stop(processes: list[BaseProcess], keep_alive: list[Connection]) -> None:
+    """Kill every rank still running and reap all of them (never leave orphans)."""
+    for alive_writer in keep_alive:
+        alive_writer.close()  # ranks watching it exit on their own
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + 2.0
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _describe(fn: object) -> str:
+    module = getattr(fn, "__module__", "?")
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _failure_message(
+    fn: object,
+    world_size: int,
+    timeout_s: float,
+    failures: Mapping[int, str],
+    unfinished: Sequence[int],
+    timed_out: bool,
+) -> str:
+    head = f"run_distributed({_describe(fn)}, world_size={world_size})"
+    if timed_out:
+        finished = sorted(set(range(world_size)) - set(unfinished))
+        lines = [
+            f"{head}: timed out after {timeout_s:g} s; ranks {list(unfinished)} had not "
+            f"finished (finished: {finished}); they were killed"
+        ]
+    else:
+        first = next(iter(failures))
+        lines = [
+            f"{head}: {len(failures)} of {world_size} ranks failed {sorted(failures)}; "
+            f"rank {first} failed first (tracebacks below in the order they arrived)"
+        ]
+        if unfinished:
+            lines.append(f"ranks {list(unfinished)} were still running and were killed")
+    for rank in failures:
+        lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+    return "\n".join(lines)
+
+
+# -- inside each rank's process ------------------------------------------------
+def _exit_when_parent_dies(alive_reader: Connection) -> None:
+    """Exit this rank as soon as the parent closes its end of ``alive_reader`` or dies."""
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            alive_reader.recv_bytes()
+        os._exit(_EXIT_PARENT_GONE)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _run_rank(
+    payload: bytes,
+    env: dict[str, str],
+    device_type: str,
+    timeout_s: float,
+    writer: Connection,
+    alive_reader: Connection,
+) -> None:
+    """Body of one rank's process: set up, run ``fn``, report, tear down."""
+    _exit_when_parent_dies(alive_reader)
+    os.environ.clear()
+    os.environ.update(env)
+    report: bytes
+    try:
+        if device_type == "cpu":
+            torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(payload)
+        comm.init_process_group(device_type, timeout_s=timeout_s)
+        result = fn(*args, **kwargs)
+        try:
+            report = pickle.dumps(("ok", result))
+        except Exception as error:
+            raise TypeError(
+                f"the result of {_describe(fn)} ({type(result).__name__}) is not picklable"
+            ) from error
+    except BaseException:
+        report = pickle.dumps(("error", traceback.format_exc()))
+    writer.send_bytes(report)
+    writer.close()
+    if comm.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,54 @@
+"""Shared multi-process test harness: run a module-level test function on N CPU ranks.
+
+Test modules write their per-rank bodies as module-level functions (so the rank
+processes can import them by name) and call :func:`run_on_ranks`; any rank's
+failure is raised in the test as a ``DistributedRunError`` with that rank's
+traceback, and a hung rank is killed after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+from hyper_parallel.platform_torch.launch import run_distributed
+
+__all__ = ["WORLD_SIZES", "run_on_ranks", "world_sizes"]
+
+R = TypeVar("R")
+
+#: The world sizes multi-process tests run on by default.
+WORLD_SIZES: tuple[int, ...] = (1, 2, 4)
+
+
+def run_on_ranks(
+    fn: Callable[..., R],
+    world_size: int,
+    *args: object,
+    timeout_s: float = 120.0,
+    device_type: str = "cpu",
+) -> list[R]:
+    """Run ``fn(*args)`` on ``world_size`` ranks with a process group; results in rank order.
+
+    Example::
+
+        >>> def rank_plus(offset: int) -> int:  # at module level in a test module
+        ...     return torch.distributed.get_rank() + offset
+        >>> run_on_ranks(rank_plus, 2, 10)  # doctest: +SKIP
+        [10, 11]
+    """
+    return run_distributed(fn, world_size, args=args, device_type=device_type, timeout_s=timeout_s)
+
+
+def world_sizes(*sizes: int) -> pytest.MarkDecorator:
+    """Parametrize a test over ``world_size`` (default: :data:`WORLD_SIZES`).
+
+    Example::
+
+        >>> @world_sizes(2, 4)
+        ... def test_all_gather(world_size: int) -> None: ...
+    """
+    chosen = sizes or WORLD_SIZES
+    return pytest.mark.parametrize("world_size", chosen, ids=[f"ws{n}" for n in chosen])
