@@ -1,0 +1,86 @@
+"""scripts/release.py refuses bad releases before touching anything; README and CI agree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import release
+from hp_workspace import PACKAGES, ROOT, StepError, read_version, workspace_closure, write_version
+
+
+@pytest.mark.parametrize("bad", ["0.1", "v0.2.0", "0.2.0.dev1", "01.2.3", "0.2.0-rc1", "0.2"])
+def test_release_rejects_versions_that_are_not_major_minor_patch(bad: str) -> None:
+    with pytest.raises(StepError, match=r"is not MAJOR\.MINOR\.PATCH"):
+        release.validate_version(PACKAGES["hp-config"], bad)
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGES))
+def test_release_rejects_versions_not_above_the_current_one(name: str) -> None:
+    current = read_version(PACKAGES[name].pyproject)
+    with pytest.raises(
+        StepError, match=f"must be greater than the current version {re.escape(current)}"
+    ):
+        release.validate_version(PACKAGES[name], current)
+
+
+def test_release_accepts_patch_minor_major_and_pre_releases() -> None:
+    major, minor, patch = (
+        int(part) for part in read_version(PACKAGES["hp-config"].pyproject).split(".")
+    )
+    for version in (
+        f"{major}.{minor}.{patch + 1}",
+        f"{major}.{minor + 1}.0",
+        f"{major}.{minor + 1}.0rc1",
+        f"{major + 1}.0.0",
+    ):
+        assert str(release.validate_version(PACKAGES["hp-config"], version)) == version
+
+
+def test_release_requires_a_changelog_entry_for_the_new_version() -> None:
+    with pytest.raises(StepError, match=r"packages/config/CHANGELOG.md has no entry for 99\.0\.0"):
+        release.check_changelog(PACKAGES["hp-config"], "99.0.0")
+    release.check_changelog(PACKAGES["hp-config"], read_version(PACKAGES["hp-config"].pyproject))
+
+
+def test_write_version_changes_only_the_project_version_line(tmp_path: Path) -> None:
+    original = PACKAGES["hp-platform-torch"].pyproject.read_text(encoding="utf-8")
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(original + '\n[tool.other]\nversion = "9.9.9"\n', encoding="utf-8")
+    before = pyproject.read_text(encoding="utf-8").splitlines()
+    write_version(pyproject, "7.8.9")
+    after = pyproject.read_text(encoding="utf-8").splitlines()
+    changed = [(old, new) for old, new in zip(before, after, strict=True) if old != new]
+    assert changed == [
+        (
+            f'version = "{read_version(PACKAGES["hp-platform-torch"].pyproject)}"',
+            'version = "7.8.9"',
+        )
+    ]
+    assert read_version(pyproject) == "7.8.9"
+
+
+@pytest.mark.parametrize(
+    ("name", "extras", "expected"),
+    [
+        ("hp-config", (), ["hp-config"]),
+        ("hp-platform-torch", ("npu",), ["hp-platform-torch"]),
+        ("hp-dtensor", (), ["hp-dtensor", "hp-platform-torch"]),
+        ("hp-dmodule", (), ["hp-dmodule", "hp-config", "hp-dtensor", "hp-platform-torch"]),
+        ("hp-dmodule", ("torch",), ["hp-dmodule", "hp-config", "hp-dtensor", "hp-platform-torch"]),
+    ],
+)
+def test_release_installs_exactly_the_workspace_packages_a_package_needs(
+    name: str, extras: tuple[str, ...], expected: list[str]
+) -> None:
+    assert sorted(p.name for p in workspace_closure(PACKAGES[name], extras)) == sorted(expected)
+
+
+def test_ci_runs_the_readme_demo_and_test_commands() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for command in ("uv run --frozen python scripts/demo_config.py", "uv run --frozen pytest"):
+        assert f"python3 -m pip install uv && {command}" in readme, command
+        assert command in ci, command
