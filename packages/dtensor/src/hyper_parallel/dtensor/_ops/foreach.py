@@ -1,0 +1,243 @@
+"""Sharding rules of the ``_foreach_*`` ops that optimizers and ``clip_grad_norm_`` use.
+
+Element ``i`` of every list argument forms one element-wise op, planned like the
+plain op (:func:`pointwise_candidates`), so a Partial gradient is reduced (to the
+parameter's shard, by reduce-scatter, or to Replicate) before it meets a parameter.
+An in-place op keeps each mutated tensor's layout: a parameter never changes
+placements during an optimizer step. ``_foreach_norm`` of sharded tensors computes
+local ``sum |x|^p`` and all-reduces the vector of those sums once per mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from hyper_parallel.dtensor import _comm_log
+from hyper_parallel.dtensor._dispatch import (
+    Decision,
+    OpCall,
+    dispatch_by_rules,
+    register_rule,
+    register_special,
+)
+from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._ops.pointwise import pointwise_candidates
+from hyper_parallel.dtensor._redistribute import redistribute_local
+from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta
+from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.platform import get_platform
+
+aten = torch.ops.aten
+
+# element-wise ops with a _foreach_ form (out of place and, where it exists, in place)
+_ELEMENTWISE = (
+    "add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv", "sqrt", "rsqrt", "neg", "pow",
+    "maximum", "minimum", "clamp_min", "clamp_max", "abs", "exp", "log", "reciprocal", "sign",
+    "sigmoid", "tanh", "zero", "copy",
+)  # fmt: skip
+# in-place ops that scale their first argument: a Partial(sum) self may stay Partial
+_SCALES = {"mul", "div"}
+
+
+def _base_op(func: torch._ops.OpOverload) -> Any:
+    """The plain op whose element-wise semantics one index of a foreach op has."""
+    name = func._schema.name.split("::")[1].removeprefix("_foreach_").rstrip("_")
+    packet = getattr(aten, name)
+    return getattr(packet, packet.overloads()[0])
+
+
+def _list_len(call: OpCall) -> int:
+    first = call.args[0]
+    return len(first) if isinstance(first, (list, tuple)) else 1
+
+
+def _spec_slots(call: OpCall) -> list[tuple[int | None, int]]:
+    """For each spec (in argument order): (list index or None when shared, position in ``specs``)."""
+    slots: list[tuple[int | None, int]] = []
+    k = 0
+    for value in (*call.args, *call.kwargs.values()):
+        if isinstance(value, DTensorSpec):
+            slots.append((None, k))
+            k += 1
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                if isinstance(v, DTensorSpec):
+                    slots.append((i, k))
+                    k += 1
+    return slots
+
+
+def _index_value(value: Any, i: int, n: int, replicate: tuple[Placement, ...]) -> Any:
+    """Element ``i`` of a list argument of length ``n``; a shared DTensor's spec as Replicate."""
+    if isinstance(value, (list, tuple)) and len(value) == n:
+        return value[i]
+    if isinstance(value, DTensorSpec):
+        return value.with_placements(replicate)
+    return value
+
+
+def _foreach_rule(call: OpCall) -> Decision:
+    """Plan each index like the plain element-wise op; in-place selves keep their layout."""
+    n = _list_len(call)
+    inplace = call.func._schema.name.endswith("_")
+    base = _base_op(call.func)
+    mesh = call.mesh
+    replicate = (Replicate(),) * mesh.ndim
+    slots = _spec_slots(call)
+    inputs: list[tuple[Placement, ...]] = [replicate] * len(call.specs)
+    outputs: list[tuple[Placement, ...] | None] = [None] * len(call.out_metas)
+    for i in range(n):
+        # shared tensors (a clip coefficient, a step size) are read as Replicate by every index
+        sub_args = tuple(_index_value(a, i, n, replicate) for a in call.args)
+        sub_kwargs = {k: _index_value(v, i, n, replicate) for k, v in call.kwargs.items()}
+        positions = [k for (idx, k) in slots if idx == i or idx is None]
+        shared = {k for (idx, k) in slots if idx is None}
+        sub_specs = [
+            call.specs[k].with_placements(replicate) if k in shared else call.specs[k]
+            for k in positions
+        ]
+        self_spec = sub_specs[0]
+        if inplace:
+            out_meta: TensorMeta | None = self_spec.tensor_meta
+        else:
+            out_meta = call.out_metas[i] if i < len(call.out_metas) else None
+        if out_meta is None:
+            return None  # type: ignore[return-value]
+        sub = OpCall(base, sub_args, sub_kwargs, sub_specs, mesh, [out_meta])
+        shared_pos = [j for j, k in enumerate(positions) if k in shared]
+
+        def candidates(
+            axis: int, sub: OpCall = sub, shared_pos: list[int] = shared_pos
+        ) -> list[Candidate]:
+            cands = [
+                c for c in pointwise_candidates(sub, axis)
+                if all(c[0][j] == Replicate() for j in shared_pos)
+            ]  # fmt: skip
+            if inplace:
+                current = sub.specs[0].placements[axis]
+                kept = [c for c in cands if c[0][0] == current and c[1][0] == current]
+                cands = kept or cands
+            return cands
+
+        decision = choose(sub, candidates, n_outputs=1)
+        for j, k in enumerate(positions):
+            if k not in shared:
+                inputs[k] = decision.inputs[j]
+        if not inplace and i < len(outputs):
+            outputs[i] = decision.outputs[0]
+    return Decision(inputs, outputs)
+
+
+def _keep_partial_self(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> bool:
+    """True when the op scales self by something that is not itself Partial (linear in self)."""
+    name = func._schema.name.split("::")[1].removeprefix("_foreach_").rstrip("_")
+    if name not in _SCALES:
+        return False
+    other = args[1] if len(args) > 1 else None
+    values = other if isinstance(other, (list, tuple)) else [other]
+    return not any(
+        isinstance(v, torch.Tensor) and hasattr(v, "_spec") and v._spec.has_partial()
+        for v in values
+    )
+
+
+def _foreach_in_place(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """In-place foreach ops: reduce a Partial self first unless the op only scales it, then plan."""
+    selves = args[0]
+    if not _keep_partial_self(func, args):
+        for t in selves:
+            spec = getattr(t, "_spec", None)
+            if isinstance(spec, DTensorSpec) and spec.has_partial():
+                target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+                t._local_tensor = redistribute_local(t._local_tensor, spec, target)
+                t._spec = spec.with_placements(target)
+    dispatch_by_rules(func, args, kwargs)
+
+
+# -- norms ------------------------------------------------------------------------------
+
+
+def _norm_rule(call: OpCall) -> Decision:
+    """``_foreach_norm``: shards reduce locally, one all-reduce per mesh axis for the whole list.
+
+    The plan does not depend on ``ord`` (the dispatcher keys foreach plans by argument
+    types): the local function reads it on every call.
+    """
+    specs = call.specs
+    mesh = call.mesh
+    replicate = (Replicate(),) * mesh.ndim
+    inputs = [tuple(Replicate() if q.is_partial() else q for q in s.placements) for s in specs]
+    axes_of = [tuple(a for a, q in enumerate(pl) if isinstance(q, Shard)) for pl in inputs]
+    decision = Decision(inputs, [replicate] * len(call.out_metas))
+    if any(axes_of):
+        groups = [mesh.get_group(a) for a in range(mesh.ndim)]
+        decision.local_fn = _sharded_norms(axes_of, groups, mesh.shape)
+    return decision
+
+
+def _local_part(t: torch.Tensor, p: float, dtype: torch.dtype | None) -> torch.Tensor:
+    """What a shard contributes to the norm: max/min |x|, the count of nonzeros, or sum |x|^p."""
+    x = t.abs() if dtype is None else t.to(dtype).abs()
+    if math.isinf(p):
+        if x.numel() == 0:
+            return torch.full((), 0.0 if p > 0 else math.inf, dtype=x.dtype)
+        return x.amax() if p > 0 else x.amin()
+    if p == 0:
+        return (x != 0).sum().to(x.dtype)
+    powered: torch.Tensor = torch.linalg.vector_norm(x, p) ** p
+    return powered
+
+
+def _sharded_norms(
+    axes_of: list[tuple[int, ...]], groups: list[Any], mesh_shape: tuple[int, ...]
+) -> Any:
+    platform = get_platform()
+
+    def local_norms(
+        tensors: list[torch.Tensor], ord: Any = 2, dtype: Any = None
+    ) -> list[torch.Tensor]:
+        p = float(ord)
+        parts = [_local_part(t, p, dtype) if axes_of[i] else t for i, t in enumerate(tensors)]
+        op: Literal["sum", "max", "min"] = "sum"
+        if math.isinf(p):
+            op = "max" if p > 0 else "min"
+        for axis, group in enumerate(groups):
+            members = [i for i, axes in enumerate(axes_of) if axis in axes]
+            if not members or mesh_shape[axis] == 1:
+                continue
+            packed = torch.stack([parts[i] for i in members])
+            reduced = platform.all_reduce(packed, group, op)
+            _comm_log.record("all_reduce", packed, mesh_shape[axis])
+            for j, i in enumerate(members):
+                parts[i] = reduced[j]
+        out: list[torch.Tensor] = []
+        for i, part in enumerate(parts):
+            if not axes_of[i]:
+                out.append(torch.linalg.vector_norm(part, p, dtype=dtype))
+            elif math.isinf(p) or p == 0:
+                out.append(part.clone())
+            else:
+                out.append(part ** (1.0 / p))
+        return out
+
+    return local_norms
+
+
+def _overloads(name: str) -> list[Any]:
+    packet = getattr(aten, name, None)
+    if packet is None:
+        return []
+    return [getattr(packet, o) for o in packet.overloads() if "out" not in o]
+
+
+_OUT_OF_PLACE = [op for base in _ELEMENTWISE for op in _overloads(f"_foreach_{base}")]
+_IN_PLACE = [op for base in _ELEMENTWISE for op in _overloads(f"_foreach_{base}_")]
+
+register_rule(*_OUT_OF_PLACE, *_IN_PLACE)(_foreach_rule)
+register_special(*_IN_PLACE)(_foreach_in_place)
+register_rule(aten._foreach_norm.Scalar)(_norm_rule)

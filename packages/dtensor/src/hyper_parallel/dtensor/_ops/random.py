@@ -1,0 +1,370 @@
+"""Random fills of DTensors: every rank gets its slice of what one device draws for the full tensor.
+
+``torch.manual_seed(s); w.normal_()`` on a sharded ``w`` gives each rank exactly the
+values the same call gives on the full tensor, and leaves the generator where the
+full-tensor call leaves it (so the next random call matches too). This holds for
+``normal_``, ``uniform_``, ``bernoulli_(p)``, ``exponential_``, ``random_``,
+``log_normal_``, ``cauchy_``, ``geometric_``, ``rand_like``/``randn_like``/
+``randint_like``, hence for the ``torch.nn.init`` functions built on them
+(``kaiming_*``, ``xavier_*``, ``trunc_normal_``) and for ``F.dropout`` on CPU
+(``empty_like`` + ``bernoulli_``).
+
+How (CPU): torch's CPU generator is a single Mersenne-Twister stream that every
+kernel consumes in element order, so filling ``N`` contiguous elements equals
+filling consecutive pieces in order, with one exception measured on torch 2.x:
+``normal_`` of ``N >= 16`` elements fills 16-element blocks (Box-Muller on 8 pairs)
+and, when ``16`` does not divide ``N``, redraws the last 16 elements from fresh
+uniforms (float32/float64 first draw one uniform for each of the ``N % 16`` tail
+elements and throw them away; bfloat16/float16 do not). Each rank therefore walks
+the *whole* stream in pieces of at most :func:`generation_chunk` elements (a
+multiple of 16), keeps the elements inside its shard and drops the rest.
+Which piece layout reproduces a kernel is not assumed: it is checked once per
+(op, dtype, arguments) against a one-shot fill with a private generator
+(:func:`_stream_model`). When no layout matches, or the tensor is no larger than
+one piece, or its global strides are not contiguous, the full tensor is drawn at
+once and sliced (exact by construction).
+
+Exact: bitwise equal values and generator state, for any mesh, any Shard /
+Replicate placements (uneven and nested shards included); Partial axes are
+overwritten, so the result is Replicate there.
+Memory per rank: the local shard, plus one piece of ``C`` elements (default
+``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
+float32) when the shard is one contiguous run of the flat tensor (Shard(0),
+Replicate); other shards add a few transient int64 index vectors of at most ``C``
+elements, about ``C * (2 * itemsize + 48)`` bytes in all (14 MiB for float32).
+The one-shot fallbacks hold the full tensor: ``N <= C`` elements when it fits in
+one piece, ``N`` otherwise. Time: each rank draws all ``N`` numbers, like one device.
+
+Other devices (CUDA, NPU): their generators are counter based (CUDA: Philox with a
+``(seed, offset)`` state; a kernel of ``N`` elements maps element ``i`` to a
+(thread, round) pair fixed by its launch grid and advances ``offset`` by an amount
+derived from that grid). Reproducing the one-device values shard by shard would
+mean re-deriving the kernel's grid mapping, which torch does not expose, so on any
+non-CPU device the full tensor is drawn at once and sliced (memory ``N`` elements,
+exact values and offset). Ops not listed here that draw random numbers (e.g.
+``bernoulli_`` with a tensor of probabilities) keep the generic fallback, which is
+exact too (it fills the gathered full tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from hyper_parallel.dtensor._api import DTensor, contiguous_strides
+from hyper_parallel.dtensor._dispatch import register_special
+from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, local_shape_and_offset
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate
+
+__all__ = ["generation_chunk"]
+
+aten = torch.ops.aten
+
+_DEFAULT_CHUNK = 1 << 18
+_chunk_elements: ContextVar[int] = ContextVar("hp_random_chunk_elements", default=_DEFAULT_CHUNK)
+
+
+@contextmanager
+def generation_chunk(elements: int) -> Iterator[None]:
+    """Draw random fills of sharded DTensors in pieces of at most ``elements`` (rounded to 16).
+
+    Bounds the extra memory of a random fill per rank; the values do not depend on it.
+
+    Example::
+
+        with generation_chunk(4096):
+            torch.nn.init.normal_(w)   # w: a sharded DTensor
+    """
+    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 16:
+        raise ValueError(f"generation_chunk: expected an int >= 16 elements, found {elements!r}")
+    token = _chunk_elements.set(elements - elements % 16)
+    try:
+        yield
+    finally:
+        _chunk_elements.reset(token)
+
+
+Fill = Callable[[torch.Tensor], object]
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamModel:
+    """How a kernel's draws for ``N`` elements split into pieces.
+
+    ``block``: piece sizes must be multiples of it. When ``block`` does not divide
+    ``N``, the last ``block`` elements are redrawn after the whole blocks, first
+    discarding ``N % block`` uniforms when ``discard_tail``.
+    """
+
+    block: int
+    discard_tail: bool
+
+
+_CANDIDATE_MODELS = (_StreamModel(1, False), _StreamModel(16, True), _StreamModel(16, False))
+
+
+def _draw_stream(
+    fill: Fill,
+    discard: Fill,
+    n: int,
+    chunk: int,
+    model: _StreamModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    sink: Callable[[int, torch.Tensor], None],
+) -> None:
+    """Draw the ``n``-element stream in pieces, handing ``(global start, values)`` to ``sink``."""
+    block = model.block
+    whole = n - n % block
+    step = max(block, chunk - chunk % block)
+    buffer = torch.empty(min(step, max(whole, 1)), dtype=dtype, device=device)
+    start = 0
+    while start < whole:
+        length = min(step, whole - start)
+        piece = buffer[:length]
+        fill(piece)
+        sink(start, piece)
+        start += length
+    if whole != n:
+        if model.discard_tail:
+            discard(torch.empty(n - whole, dtype=dtype, device=device))
+        tail = torch.empty(block, dtype=dtype, device=device)
+        fill(tail)
+        sink(n - block, tail)
+
+
+def _with_generator(kwargs: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
+    out = dict(kwargs)
+    out["generator"] = generator
+    return out
+
+
+@lru_cache(maxsize=512)
+def _stream_model(
+    func: Any, dtype: torch.dtype, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]
+) -> _StreamModel | None:
+    """The first piece layout that reproduces a one-shot CPU fill (values and generator state)."""
+    kw = dict(kwargs)
+    for model in _CANDIDATE_MODELS:
+        try:
+            if _reproduces(func, dtype, args, kw, model):
+                return model
+        except RuntimeError:  # e.g. no uniform_ to discard with for integer dtypes
+            continue
+    return None
+
+
+def _reproduces(
+    func: Any, dtype: torch.dtype, args: tuple[Any, ...], kw: dict[str, Any], model: _StreamModel
+) -> bool:
+    """True when drawing in pieces per ``model`` equals one-shot fills of a few sizes."""
+    for n in (16 * 4 + 5, 16 * 3 + 11, 16 * 4):
+        generator = torch.Generator().manual_seed(1234 + n)
+        ref = torch.empty(n, dtype=dtype)
+        func(ref, *args, **_with_generator(kw, generator))
+        ref_state = generator.get_state()
+        generator.manual_seed(1234 + n)
+        got = torch.empty(n, dtype=dtype)
+
+        def fill(t: torch.Tensor, g: torch.Generator = generator) -> object:
+            return func(t, *args, **_with_generator(kw, g))
+
+        def discard(t: torch.Tensor, g: torch.Generator = generator) -> object:
+            return t.uniform_(generator=g)
+
+        def sink(start: int, values: torch.Tensor, out: torch.Tensor = got) -> None:
+            out[start : start + values.numel()] = values
+
+        _draw_stream(fill, discard, n, 32, model, dtype, torch.device("cpu"), sink)
+        if not (torch.equal(ref, got) and torch.equal(ref_state, generator.get_state())):
+            return False
+    return True
+
+
+class _Box:
+    """This rank's shard as a box ``[offset, offset + shape)`` of the row-major global tensor."""
+
+    def __init__(
+        self, global_shape: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
+    ):
+        self.global_shape = global_shape
+        self.shape = shape
+        self.offset = offset
+        self.global_strides = contiguous_strides(global_shape)
+        self.numel = math.prod(shape)
+        # one contiguous run: dims before the first partial dim hold one index, dims after are full
+        first = next((d for d in range(len(shape)) if shape[d] != global_shape[d]), len(shape))
+        self.contiguous = all(shape[d] <= 1 for d in range(first)) and all(
+            shape[d] == global_shape[d] for d in range(first + 1, len(shape))
+        )
+        self.start = sum(o * s for o, s in zip(offset, self.global_strides, strict=True))
+
+    def count_before(self, flat: int) -> int:
+        """How many box elements have a global flat index below ``flat``."""
+        total = math.prod(self.global_shape)
+        if self.numel == 0 or flat <= 0:
+            return 0
+        if flat >= total:
+            return self.numel
+        count = 0
+        inner = self.numel
+        rest = flat
+        for d in range(len(self.shape)):
+            stride = self.global_strides[d]
+            index, rest = divmod(rest, stride)
+            inner //= self.shape[d]
+            count += min(max(index - self.offset[d], 0), self.shape[d]) * inner
+            if not self.offset[d] <= index < self.offset[d] + self.shape[d]:
+                return count
+        return count
+
+    def global_index(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """Global flat indices of local flat elements ``lo..hi-1``."""
+        local = torch.arange(lo, hi, dtype=torch.int64, device=device)
+        out = torch.zeros_like(local)
+        for d in reversed(range(len(self.shape))):
+            size = self.shape[d]
+            out += (local.remainder(size) + self.offset[d]) * self.global_strides[d]
+            local = local.div(size, rounding_mode="floor")
+        return out
+
+
+def _shard_box(spec: DTensorSpec) -> _Box | None:
+    """The box of this rank's shard (Partial axes count as replicated), or None off the mesh."""
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    shape, offset = local_shape_and_offset(spec.shape, mesh.shape, coordinate, placements)
+    return _Box(spec.shape, shape, offset)
+
+
+def fill_shard(
+    local: torch.Tensor, spec: DTensorSpec, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Fill ``local`` (this rank's shard of ``spec``) with its slice of ``func`` on the full tensor."""
+    box = _shard_box(spec)
+    if box is None or local.device.type == "meta":
+        return
+    meta = spec.tensor_meta
+    n = math.prod(meta.shape)
+    chunk = _chunk_elements.get()
+    device = local.device
+    model: _StreamModel | None = None
+    if device.type == "cpu" and n > chunk and meta.stride == contiguous_strides(meta.shape):
+        try:
+            key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "generator"))
+            model = _stream_model(func, local.dtype, args, key)
+        except TypeError:  # unhashable arguments: no cached model, draw the full tensor
+            model = None
+    if model is None:
+        full = torch.empty_strided(meta.shape, meta.stride, dtype=local.dtype, device=device)
+        func(full, *args, **kwargs)
+        piece = full
+        for d, (start, length) in enumerate(zip(box.offset, box.shape, strict=True)):
+            if length != meta.shape[d]:
+                piece = piece.narrow(d, start, length)
+        local.copy_(piece)
+        return
+    flat = (
+        local.view(-1)
+        if local.is_contiguous()
+        else torch.empty(box.numel, dtype=local.dtype, device=device)
+    )
+    generator = kwargs.get("generator")
+
+    def fill(t: torch.Tensor) -> object:
+        return func(t, *args, **kwargs)
+
+    def discard(t: torch.Tensor) -> object:
+        return t.uniform_(generator=generator)
+
+    def sink(start: int, values: torch.Tensor) -> None:
+        lo = box.count_before(start)
+        hi = box.count_before(start + values.numel())
+        if hi <= lo:
+            return
+        if box.contiguous:
+            first = box.start + lo - start
+            flat[lo:hi] = values[first : first + hi - lo]
+        else:
+            flat[lo:hi] = values[box.global_index(lo, hi, device) - start]
+
+    _draw_stream(fill, discard, n, chunk, model, local.dtype, device, sink)
+    if flat.data_ptr() != local.data_ptr() or not local.is_contiguous():
+        local.copy_(flat.view(local.shape))
+
+
+def _overwritten_placements(spec: DTensorSpec) -> tuple[Placement, ...]:
+    """A random fill overwrites every value: Partial axes become Replicate."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+
+
+_RANDOM_FROM = getattr(aten.random_, "from")  # `from` is a Python keyword
+_IN_PLACE_FILLS = (
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.random_.default,
+    aten.random_.to,
+    _RANDOM_FROM,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+)
+
+
+def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor:
+    """``x.normal_()`` and kin on a DTensor ``x``: each rank fills its slice of the full draw."""
+    self = args[0]
+    rest = args[1:]
+    if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
+        raise TypeError(f"{func}: expected number arguments after the DTensor, found a tensor")
+    spec: DTensorSpec = self._spec
+    placements = _overwritten_placements(spec)
+    if placements != spec.placements:
+        self._spec = spec.with_placements(placements)
+    fill_shard(self._local_tensor, self._spec, func, rest, kwargs)
+    return self  # type: ignore[no-any-return]
+
+
+# rand_like & co.: (the in-place fill they equal on CPU, how to turn the call's arguments into its arguments)
+_LIKE: dict[Any, tuple[Any, Callable[[tuple[Any, ...]], tuple[Any, ...]]]] = {
+    aten.rand_like.default: (aten.uniform_.default, lambda a: ()),
+    aten.rand_like.generator: (aten.uniform_.default, lambda a: ()),
+    aten.randn_like.default: (aten.normal_.default, lambda a: ()),
+    aten.randn_like.generator: (aten.normal_.default, lambda a: ()),
+    aten.randint_like.default: (_RANDOM_FROM, lambda a: (0, a[0])),
+    aten.randint_like.low_dtype: (_RANDOM_FROM, lambda a: (a[0], a[1])),
+}
+
+
+def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor:
+    """``torch.rand_like(x)`` and kin on a DTensor: a new DTensor laid out like ``x``, filled exactly."""
+    x: DTensor = args[0]
+    fill_op, to_args = _LIKE[func]
+    generator = kwargs.get("generator")
+    dtype = kwargs.get("dtype") or x.dtype
+    device = kwargs.get("device") or x._local_tensor.device
+    spec = x._spec
+    placements = _overwritten_placements(spec)
+    meta = TensorMeta(spec.shape, contiguous_strides(spec.shape), dtype)
+    out_spec = DTensorSpec(spec.mesh, placements, meta)
+    box = _shard_box(out_spec)
+    local_shape = box.shape if box is not None else (0,)
+    local = torch.empty(local_shape, dtype=dtype, device=device)
+    fill_shard(local, out_spec, fill_op, to_args(args[1:]), {"generator": generator})
+    return DTensor(local, out_spec)
+
+
+register_special(*_IN_PLACE_FILLS)(_in_place_fill)
+register_special(*_LIKE)(_like_fill)

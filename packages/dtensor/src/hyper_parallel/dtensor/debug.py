@@ -1,0 +1,207 @@
+"""``CommDebugMode``: count the collectives DTensor ops issue, by kind, bytes and module.
+
+Collectives report through ``_comm_log.recording`` (a ContextVar of recorders);
+the mode adds its recorder on enter and removes it on exit. Module attribution
+uses global forward pre/post hooks, so a collective issued while a module's
+``forward`` runs is charged to that module's fully qualified name (the innermost
+module; ``""`` for the root, ``"global"`` outside any forward). Collectives issued
+during ``backward()`` run outside every forward and are charged to ``"backward"``
+when autograd is executing a backward pass. Fqns are learnt from the modules given
+to the constructor (``named_modules()``); other modules show as their class name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from hyper_parallel.dtensor import _comm_log
+from hyper_parallel.dtensor._dispatch import fallback_counts
+
+__all__ = ["CommDebugMode"]
+
+KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter")
+
+
+class CommDebugMode:
+    """Count collectives (by kind, bytes and module) and list ops that fell back, while active.
+
+    Bytes are this rank's input bytes of each collective.
+
+    Example::
+
+        with CommDebugMode(model) as comm:
+            model(x).sum().backward()
+        comm.counts()        # {"all_gather": 2, "all_reduce": 1}
+        print(comm.table())
+    """
+
+    def __init__(self, *modules: torch.nn.Module) -> None:
+        self._names: dict[int, str] = {}
+        for root in modules:
+            for name, module in root.named_modules():
+                self._names.setdefault(id(module), name)
+        self._counts: Counter[str] = Counter()
+        self._bytes: Counter[str] = Counter()
+        self._by_module: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._bytes_by_module: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._stack: list[str] = []
+        self._handles: list[RemovableHandle] = []
+        self._token: Any = None
+        self._fallbacks_before: dict[str, int] = {}
+        self._fallbacks: dict[str, int] = {}
+        self._active = False
+
+    # -- context manager -------------------------------------------------------------
+    def __enter__(self) -> CommDebugMode:
+        if self._active:
+            raise RuntimeError("CommDebugMode: already active; a mode cannot be entered twice")
+        self._token = _comm_log.recording.set((*_comm_log.recording.get(), self._record))
+        hooks = torch.nn.modules.module
+        self._handles = [
+            hooks.register_module_forward_pre_hook(self._enter_module),
+            hooks.register_module_forward_hook(self._exit_module),
+        ]
+        self._fallbacks_before = fallback_counts()
+        self._active = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        _comm_log.recording.reset(self._token)
+        after = fallback_counts()
+        for op, n in after.items():
+            grew = n - self._fallbacks_before.get(op, 0)
+            if grew > 0:
+                self._fallbacks[op] = self._fallbacks.get(op, 0) + grew
+        self._stack.clear()
+        self._active = False
+
+    # -- recording -------------------------------------------------------------------
+    def _module_name(self, module: torch.nn.Module) -> str:
+        return self._names.get(id(module), type(module).__name__)
+
+    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append(self._module_name(module))
+
+    def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def _record(self, kind: str, nbytes: int, group_size: int) -> None:
+        if self._stack:
+            where = self._stack[-1]
+        elif torch._C._current_graph_task_id() != -1:
+            where = "backward"
+        else:
+            where = "global"
+        self._counts[kind] += 1
+        self._bytes[kind] += nbytes
+        self._by_module[where][kind] += 1
+        self._bytes_by_module[where][kind] += nbytes
+
+    # -- reports ---------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """Number of collectives of each kind.
+
+        Example::
+
+            comm.counts()   # {"all_gather": 1}
+        """
+        return dict(self._counts)
+
+    def bytes(self) -> dict[str, int]:
+        """Bytes (this rank's inputs) of each kind of collective.
+
+        Example::
+
+            comm.bytes()    # {"all_gather": 64}
+        """
+        return dict(self._bytes)
+
+    def by_module(self) -> dict[str, dict[str, int]]:
+        """Collective counts per module fqn (``"global"``, ``"backward"`` outside any forward).
+
+        Example::
+
+            comm.by_module()   # {"layers.0": {"all_reduce": 1}}
+        """
+        return {name: dict(c) for name, c in self._by_module.items()}
+
+    def fallbacks(self) -> dict[str, int]:
+        """Ops that ran through the gather-to-Replicate fallback while active, with counts.
+
+        Example::
+
+            comm.fallbacks()   # {"aten.cumsum.default": 1}
+        """
+        return dict(self._fallbacks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything recorded, as a JSON-serialisable dict.
+
+        Example::
+
+            json.dumps(comm.to_dict())
+        """
+        return {
+            "counts": self.counts(),
+            "bytes": self.bytes(),
+            "by_module": {
+                name: {
+                    kind: {"count": n, "bytes": self._bytes_by_module[name][kind]}
+                    for kind, n in c.items()
+                }
+                for name, c in self._by_module.items()
+            },
+            "fallbacks": self.fallbacks(),
+        }
+
+    def table(self) -> str:
+        """A printable table: one row per (module, kind), then the fallbacks.
+
+        Example::
+
+            print(comm.table())
+        """
+        rows: list[tuple[str, str, str, str]] = [("module", "collective", "count", "bytes")]
+        for name in sorted(self._by_module):
+            for kind in _ordered(self._by_module[name]):
+                rows.append(
+                    (
+                        name or "<root>",
+                        kind,
+                        str(self._by_module[name][kind]),
+                        str(self._bytes_by_module[name][kind]),
+                    )
+                )
+        for kind in _ordered(self._counts):
+            rows.append(("total", kind, str(self._counts[kind]), str(self._bytes[kind])))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+        if self._fallbacks:
+            lines.append(
+                "fell back: " + ", ".join(f"{op} x{n}" for op, n in self._fallbacks.items())
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"CommDebugMode(counts={json.dumps(self.counts())}, fallbacks={self.fallbacks()})"
+
+
+def _ordered(kinds: Iterable[str]) -> list[str]:
+    known = [k for k in KINDS if k in kinds]
+    return known + sorted(k for k in kinds if k not in KINDS)
