@@ -19,6 +19,9 @@ __all__ = ["WORLD_SIZES", "run_on_ranks", "world_sizes"]
 
 R = TypeVar("R")
 
+# What nearly every rank of every test imports: loaded once in the forkserver instead.
+_PRELOAD = ("hyper_parallel.dtensor", "hyper_parallel.dmodule", "hyper_parallel.config")
+
 #: The world sizes multi-process tests run on by default.
 WORLD_SIZES: tuple[int, ...] = (1, 2, 4)
 
@@ -39,7 +42,14 @@ def run_on_ranks(
         >>> run_on_ranks(rank_plus, 2, 10)  # doctest: +SKIP
         [10, 11]
     """
-    return run_distributed(fn, world_size, args=args, device_type=device_type, timeout_s=timeout_s)
+    return run_distributed(
+        fn,
+        world_size,
+        args=args,
+        device_type=device_type,
+        timeout_s=timeout_s,
+        preload=_PRELOAD,
+    )
 
 
 def world_sizes(*sizes: int) -> pytest.MarkDecorator:

@@ -36,7 +36,10 @@ StartMethod = Literal["forkserver", "spawn"]
 #: (measured ~4x faster than spawn for 4 ranks); ``fork`` is never used because
 #: forking a process whose torch threads already run can deadlock.
 DEFAULT_START_METHOD: StartMethod = "forkserver"
-_PRELOAD = ["torch", "torch.distributed", __name__]
+# Imported once in the forkserver, so ranks fork with them loaded. torch's meta-kernel
+# registrations are imported lazily by the first op on a meta tensor, which costs seconds
+# per process; DTensor engines run such ops to plan sharding.
+_PRELOAD = ["torch", "torch.distributed", "torch._meta_registrations", __name__]
 # After the first failure, how long to let the other ranks report before killing them.
 _FAILURE_GRACE_S = 2.0
 _EXIT_PARENT_GONE = 70
@@ -66,6 +69,7 @@ def run_distributed(
     timeout_s: float = 120.0,
     env: Mapping[str, str] | None = None,
     start_method: StartMethod = DEFAULT_START_METHOD,
+    preload: Sequence[str] = (),
 ) -> list[R]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return their results in rank order.
 
@@ -79,6 +83,10 @@ def run_distributed(
     Raises ``DistributedRunError`` naming every failing rank with its traceback,
     or, after ``timeout_s``, the ranks that had not finished; the other ranks are
     killed, never left behind. Ctrl-C kills all ranks and re-raises.
+
+    ``preload`` names modules the forkserver imports once, so that ranks start
+    with them loaded; it takes effect only when this process's forkserver is
+    first started.
 
     Example::
 
@@ -104,7 +112,7 @@ def run_distributed(
     if start_method == "forkserver":
         context = multiprocessing.get_context("forkserver")
         # Only takes effect when this process's forkserver is first started.
-        context.set_forkserver_preload(_PRELOAD)
+        context.set_forkserver_preload([*_PRELOAD, *preload])
     else:
         context = multiprocessing.get_context("spawn")
     store = dist.TCPStore(  # type: ignore[attr-defined]
