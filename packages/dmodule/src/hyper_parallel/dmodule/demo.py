@@ -1,0 +1,402 @@
+"""The hp-dmodule demo: train the reference Llama tensor parallel on local processes, check parity.
+
+Run ``python -m hyper_parallel.dmodule.demo --help``. Spawns ``dp * tp`` ranks with the
+built-in launcher (or runs as one rank under ``torchrun``), trains the ``llama-ref``
+model on synthetic tokens, and compares every step's loss with a single-process run of
+the same config, seed and data. Exit status: 0 parity holds, 1 parity fails or a rank
+failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hyper_parallel.config import ConfigError, Configurable, parse_cli_overrides
+from hyper_parallel.dmodule.models.llama import Llama
+from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
+from hyper_parallel.dtensor import DTensor, FallbackWarning, init_device_mesh
+from hyper_parallel.dtensor._comm_log import recording
+from hyper_parallel.platform import get_platform
+
+__all__ = ["RELATIVE_TOLERANCE", "main"]
+
+#: Parity passes when every step's |loss - single-process loss| <= this x |single-process loss|.
+RELATIVE_TOLERANCE = 1e-4
+#: Hidden fault injection (tests): this rank raises at step HP_DEMO_CRASH_STEP (default 1).
+CRASH_RANK_ENV = "HP_DEMO_CRASH_RANK"
+CRASH_STEP_ENV = "HP_DEMO_CRASH_STEP"
+
+
+class DemoJob(Configurable):
+    """The part of the demo's command line that hp-config owns: ``--model.<field>=value``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        """``model``: the reference model's config (``--model.dim=128``)."""
+
+        model: Llama.Config = field(default_factory=Llama.Config)
+
+    def __init__(self, *, config: DemoJob.Config) -> None:
+        self.config = config
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a rank needs (picklable)."""
+
+    model: Llama.Config
+    tp: int
+    dp: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    seed: int
+    device: str
+
+
+@dataclass
+class RankReport:
+    """What rank 0 sends back: losses (dp-averaged), plan, collectives, timings."""
+
+    losses: list[float]
+    plan: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...]]]
+    collectives: dict[str, tuple[int, int]]
+    step_seconds: list[float]
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    """Parse the demo's command line (``--model.*`` through hp-config, the rest through argparse).
+
+    Example::
+
+        >>> parse_args(["--tp", "2", "--model.dim=32"]).model.dim
+        32
+    """
+    overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
+    parser = argparse.ArgumentParser(
+        prog="python -m hyper_parallel.dmodule.demo",
+        description="Train the llama-ref model tensor parallel on local processes and check "
+        "its losses against a single-process run. Model fields: --model.<field>=VALUE "
+        f"(fields: {', '.join(Llama.Config.__dataclass_fields__)}).",
+    )
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch (default 8)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    parser.add_argument("--plot", default="out/loss_curve.png", help="loss-curve PNG path")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    args = parser.parse_args(rest)
+    try:
+        model = DemoJob.Config().apply_overrides(overrides).model
+    except ConfigError as error:
+        parser.error(f"--{error}")
+    problems = []
+    if args.tp < 1 or args.dp < 1 or args.steps < 1:
+        problems.append(
+            f"--tp, --dp and --steps must be >= 1 (found {args.tp}, {args.dp}, {args.steps})"
+        )
+    if args.batch_size % args.dp:
+        problems.append(f"--batch-size {args.batch_size} must divide by --dp {args.dp}")
+    if args.seq_len > model.max_seq_len:
+        problems.append(f"--seq-len {args.seq_len} exceeds --model.max_seq_len {model.max_seq_len}")
+    if problems:
+        parser.error("; ".join(problems))
+    _PLOT_PATH[0] = args.plot
+    _TIMEOUT[0] = args.timeout
+    return Options(
+        model,
+        args.tp,
+        args.dp,
+        args.steps,
+        args.batch_size,
+        args.seq_len,
+        args.lr,
+        args.seed,
+        args.device,
+    )
+
+
+_PLOT_PATH = ["out/loss_curve.png"]
+_TIMEOUT = [300.0]
+
+
+@contextmanager
+def count_collectives(counts: Counter[str], nbytes: Counter[str]) -> Iterator[None]:
+    """Count the collectives issued inside the block by kind (and their bytes per rank)."""
+
+    def recorder(kind: str, size: int, group_size: int) -> None:
+        counts[kind] += 1
+        nbytes[kind] += size
+
+    token = recording.set((*recording.get(), recorder))
+    try:
+        yield
+    finally:
+        recording.reset(token)
+
+
+def train_rank(options: Options) -> RankReport | None:
+    """One rank's training (inside a process group); rank 0 returns its report.
+
+    Example::
+
+        >>> run_distributed(train_rank, 2, args=(parse_args([]),))  # doctest: +SKIP
+    """
+    platform = get_platform()
+    rank = platform.get_rank()
+    device = platform.device_for(options.device)
+    mesh = init_device_mesh(options.device, (options.dp, options.tp), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = options.model.build()
+    model.parallelize(mesh["tp"])
+    model.to_empty(device=device)
+    torch.manual_seed(options.seed)
+    with warnings.catch_warnings():
+        # Random init fills full tensors and keeps this rank's slice, by design (the values
+        # match a one-process init); only fallbacks during training are worth a warning.
+        warnings.simplefilter("ignore", FallbackWarning)
+        model.init_weights(buffer_device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, foreach=False)
+    dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
+    crash_rank = os.environ.get(CRASH_RANK_ENV)
+    crash_step = int(os.environ.get(CRASH_STEP_ENV, "1"))
+    losses: list[float] = []
+    seconds: list[float] = []
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for step in range(1, options.steps + 1):
+        if crash_rank is not None and int(crash_rank) == rank and step == crash_step:
+            raise RuntimeError(f"injected crash on rank {rank} at step {step} ({CRASH_RANK_ENV})")
+        start = time.perf_counter()
+        tokens, targets = synthetic_batch(
+            step,
+            batch_size=options.batch_size,
+            seq_len=options.seq_len,
+            vocab_size=options.model.vocab_size,
+            seed=options.seed,
+        )
+        rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        step_counts: Counter[str] = Counter()
+        with count_collectives(step_counts, nbytes if step == 1 else Counter()):
+            loss = model.loss(tokens[rows].to(device), targets[rows].to(device))
+            loss.backward()
+            average_gradients(model, mesh, "dp")
+        optimizer.step()
+        optimizer.zero_grad()
+        reported = platform.all_reduce(loss.detach(), mesh.get_group("dp"), "avg")
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(reported.item()))
+        if step == 1:
+            counts = step_counts
+        if rank == 0:
+            print(
+                f"  [rank 0] step {step:3d}/{options.steps}  loss {losses[-1]:.6f}  "
+                f"{seconds[-1] * 1000:7.1f} ms",
+                flush=True,
+            )
+    if rank != 0:
+        return None
+    return RankReport(
+        losses, sharding_plan(model), {k: (counts[k], nbytes[k]) for k in counts}, seconds
+    )
+
+
+def sharding_plan(
+    model: torch.nn.Module,
+) -> list[tuple[str, str, str, tuple[int, ...], tuple[int, ...]]]:
+    """``(module, parameter, placements, global shape, local shape)`` of every parameter.
+
+    Example::
+
+        >>> sharding_plan(model)[0]  # doctest: +SKIP
+        ('tok_embeddings', 'weight', '[Shard(dim=0)]', (256, 64), (128, 64))
+    """
+    rows = []
+    for fqn, param in model.named_parameters():
+        module, _, name = fqn.rpartition(".")
+        if isinstance(param, DTensor):
+            placements = "[" + ", ".join(map(repr, param.placements)) + "]"
+            local = tuple(param.to_local().shape)
+        else:
+            placements, local = "(plain tensor)", tuple(param.shape)
+        rows.append((module, name, placements, tuple(param.shape), local))
+    return rows
+
+
+def train_reference(options: Options) -> list[float]:
+    """The same training in this one process: full model, full batch, same seed and data."""
+    device = get_platform().device_for(options.device) if options.device != "cpu" else None
+    if device is None:
+        torch.set_num_threads(1)  # a tiny model: extra threads only contend with other work
+    torch.manual_seed(options.seed)
+    model = options.model.build()
+    if device is not None:
+        model.to(device)
+    model.init_weights(buffer_device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, foreach=False)
+    losses = []
+    for step in range(1, options.steps + 1):
+        tokens, targets = synthetic_batch(
+            step,
+            batch_size=options.batch_size,
+            seq_len=options.seq_len,
+            vocab_size=options.model.vocab_size,
+            seed=options.seed,
+        )
+        loss = model.loss(tokens.to(device or "cpu"), targets.to(device or "cpu"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.item()))
+    return losses
+
+
+def report(options: Options, result: RankReport, reference: list[float], elapsed: float) -> int:
+    """Print the plan, collectives and loss comparison; write the plot; return the exit status."""
+    print(f"\nsharding plan (mesh axis 'tp' of size {options.tp}; rank 0's shards):")
+    width = max(len(row[0]) for row in result.plan) + 2
+    print(f"  {'module':<{width}}{'param':<8}{'placement':<24}{'global shape':<16}local shape")
+    for module, name, placements, full_shape, local in result.plan:
+        print(f"  {module:<{width}}{name:<8}{placements:<24}{full_shape!s:<16}{local}")
+    print("\ncollectives per training step (rank 0; forward + backward + dp gradient average):")
+    for kind, (count, nbytes) in sorted(result.collectives.items()):
+        print(f"  {kind:<15} x{count:<4} {nbytes / 1024:9.1f} KiB")
+    if not result.collectives:
+        print("  none")
+    print("\nloss: parallel vs single process (same seed, same data)")
+    print(f"  {'step':>4}  {'parallel':>10}  {'single':>10}  {'|delta|':>9}")
+    worst, worst_rel = 0.0, 0.0
+    for step, (par, ref) in enumerate(zip(result.losses, reference, strict=True), start=1):
+        delta = abs(par - ref)
+        worst, worst_rel = max(worst, delta), max(worst_rel, delta / max(abs(ref), 1e-12))
+        print(f"  {step:>4}  {par:10.6f}  {ref:10.6f}  {delta:9.2e}")
+    plot = write_plot(Path(_PLOT_PATH[0]), result.losses, reference, options)
+    ok = worst_rel <= RELATIVE_TOLERANCE
+    median_ms = sorted(result.step_seconds)[len(result.step_seconds) // 2] * 1000
+    print(
+        f"\nmax |delta loss| = {worst:.2e} (relative {worst_rel:.2e}); tolerance "
+        f"{RELATIVE_TOLERANCE:g} relative: {'PASS' if ok else 'FAIL'}"
+    )
+    print(f"loss curve: {plot}; median step {median_ms:.1f} ms; total {elapsed:.1f} s")
+    return 0 if ok else 1
+
+
+def write_plot(path: Path, parallel: list[float], reference: list[float], options: Options) -> Path:
+    """Write the loss curves (parallel and single process) as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    steps = range(1, len(parallel) + 1)
+    axes.plot(steps, reference, label="single process", linewidth=3, alpha=0.5)
+    axes.plot(steps, parallel, label=f"tp={options.tp} dp={options.dp}", linestyle="--")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy loss")
+    axes.set_title("llama-ref: tensor parallel vs single process")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; return its exit status.
+
+    Example::
+
+        >>> main(["--tp", "2", "--steps", "2"])  # doctest: +SKIP
+        0
+    """
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    world = options.tp * options.dp
+    cfg = options.model
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    start = time.perf_counter()
+    fields = ", ".join(
+        f"{k}={getattr(cfg, k)}"
+        for k in Llama.Config.__dataclass_fields__
+        if k not in ("param_init", "sharding_config")
+    )
+    launcher = "torchrun" if under_torchrun else "built-in launcher"
+    print(
+        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp} on {world} "
+        f"{options.device} processes ({launcher}); {options.steps} steps, batch "
+        f"{options.batch_size} x {options.seq_len} tokens, seed {options.seed}\n  model: "
+        f"{fields}",
+        flush=True,
+    )
+    if under_torchrun:
+        return _main_torchrun(options, world, start)
+    from hyper_parallel.platform_torch.launch import DistributedRunError, run_distributed
+
+    try:
+        results = run_distributed(
+            train_rank,
+            world,
+            args=(options,),
+            device_type=options.device,
+            timeout_s=_TIMEOUT[0],
+        )
+    except DistributedRunError as error:
+        print(f"\ndemo FAILED: {str(error).splitlines()[0]}", file=sys.stderr)
+        print("\n".join(str(error).splitlines()[1:]), file=sys.stderr)
+        print("every rank process was stopped.", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ndemo interrupted (Ctrl-C): every rank process was stopped.", file=sys.stderr)
+        return 130
+    result = results[0]
+    assert result is not None
+    print("  single-process reference run ...", flush=True)
+    reference = train_reference(options)
+    return report(options, result, reference, time.perf_counter() - start)
+
+
+def _main_torchrun(options: Options, world: int, start: float) -> int:
+    """Under torchrun: this process is one rank; rank 0 also runs the reference and reports."""
+    platform = get_platform()
+    if int(os.environ["WORLD_SIZE"]) != world:
+        print(
+            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp = {world}",
+            file=sys.stderr,
+        )
+        return 2
+    if options.device == "cpu":
+        torch.set_num_threads(1)
+    platform.init_process_group(options.device, timeout_s=_TIMEOUT[0])
+    try:
+        result = train_rank(options)
+        status = 0
+        if result is not None:
+            reference = train_reference(options)
+            status = report(options, result, reference, time.perf_counter() - start)
+        flag = platform.broadcast(torch.tensor([status]), None, 0)
+        return int(flag.item())
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

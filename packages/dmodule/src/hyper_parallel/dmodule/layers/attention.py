@@ -1,0 +1,169 @@
+"""Grouped-query causal self-attention with rotary position embeddings, heads sharded over ``tp``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hyper_parallel.dmodule.layers._common import block_sharding
+from hyper_parallel.dmodule.layers.linear import Linear
+from hyper_parallel.dmodule.module import Module
+
+__all__ = ["Attention", "apply_rotary", "rotary_tables"]
+
+_ROPE_BUFFERS = ("rope_cos", "rope_sin")
+
+
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``(max_seq_len, head_dim // 2)`` for rotary embeddings.
+
+    Example::
+
+        >>> cos, sin = rotary_tables(8, 16, 10000.0)
+        >>> cos.shape
+        torch.Size([16, 4])
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary_tables: head_dim must be even, found {head_dim}")
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    )
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dim of ``x`` (``(..., seq, head_dim)``) by position.
+
+    Example::
+
+        >>> cos, sin = rotary_tables(4, 3, 10000.0)
+        >>> apply_rotary(torch.ones(1, 1, 3, 4), cos, sin).shape
+        torch.Size([1, 1, 3, 4])
+    """
+    # chunk (not slicing) keeps the backward free of slice_backward, which has no DTensor rule.
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+class Attention(Module):
+    """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` key/value heads.
+
+    Projections ``wq``/``wk``/``wv`` are column parallel and ``wo`` row parallel, so each
+    ``tp`` rank owns ``n_heads / tp`` query heads and ``n_kv_heads / tp`` key/value heads
+    (both must divide by the ``tp`` size). The default sharding runs the forward on
+    DTensors; ``sharding_config=block_sharding(local_map=True)`` runs it on plain local
+    tensors (the zero-overhead path). The same forward serves both: head counts are
+    read from the projections' output widths.
+
+    Example::
+
+        >>> attn = Attention.Config(dim=16, n_heads=4, n_kv_heads=2, max_seq_len=8).build()
+        >>> attn.init_states()
+        >>> attn(torch.randn(2, 8, 16)).shape
+        torch.Size([2, 8, 16])
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        """``dim``, ``n_heads``, ``n_kv_heads`` (None: ``n_heads``), ``max_seq_len``, ``rope_theta``.
+
+        Example::
+
+            >>> from hyper_parallel.dmodule.layers import block_sharding
+            >>> cfg = Attention.Config(dim=64, n_heads=8, sharding_config=block_sharding(
+            ...     local_map=True, replicated_states=("rope_cos", "rope_sin")))
+        """
+
+        dim: int = 64
+        n_heads: int = 4
+        n_kv_heads: int | None = None
+        max_seq_len: int = 128
+        rope_theta: float = 10000.0
+        sharding_config = block_sharding(replicated_states=_ROPE_BUFFERS)
+
+        @classmethod
+        def tensor_parallel(
+            cls,
+            *,
+            local_map: bool = False,
+            sequence_parallel: bool = False,
+            **fields: object,
+        ) -> Attention.Config:
+            """A config with the tensor-parallel sharding of the given variant.
+
+            Example::
+
+                >>> Attention.Config.tensor_parallel(local_map=True, dim=32, n_heads=4).dim
+                32
+            """
+            sharding = block_sharding(
+                local_map=local_map,
+                sequence_parallel=sequence_parallel,
+                replicated_states=_ROPE_BUFFERS,
+            )
+            return cls(sharding_config=sharding, **fields)  # type: ignore[arg-type]
+
+    def __init__(self, config: Attention.Config) -> None:
+        super().__init__()
+        n_kv = config.n_kv_heads if config.n_kv_heads is not None else config.n_heads
+        if config.dim % config.n_heads or config.n_heads % n_kv:
+            raise ValueError(
+                f"Attention: dim ({config.dim}) must divide by n_heads ({config.n_heads}) and "
+                f"n_heads by n_kv_heads ({n_kv})"
+            )
+        self.config = config
+        self.n_heads, self.n_kv_heads = config.n_heads, n_kv
+        self.head_dim = config.dim // config.n_heads
+        q_width, kv_width = config.n_heads * self.head_dim, n_kv * self.head_dim
+        self.wq = Linear.Config.colwise(config.dim, q_width, states_only=True).build()
+        self.wk = Linear.Config.colwise(config.dim, kv_width, states_only=True).build()
+        self.wv = Linear.Config.colwise(config.dim, kv_width, states_only=True).build()
+        self.wo = Linear.Config.rowwise(q_width, config.dim, states_only=True).build()
+        cos, sin = rotary_tables(self.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _init_self_buffers(self, *, buffer_device: torch.device | str | None = None) -> None:
+        device = buffer_device if buffer_device is not None else self.wq.weight.device
+        cos, sin = rotary_tables(
+            self.head_dim, self.config.max_seq_len, self.config.rope_theta, device
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over ``x`` of shape ``(batch, seq, dim)``."""
+        batch, seq, _ = x.shape
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"Attention: sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}"
+            )
+        head_dim = self.head_dim
+        q = self.wq(x).view(batch, seq, -1, head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, head_dim).transpose(1, 2)
+        heads, kv_heads = q.shape[1], k.shape[1]  # local counts inside a local_map block
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(
+                f"Attention: this rank holds {heads} query and {kv_heads} key/value heads; "
+                f"n_heads ({self.n_heads}) and n_kv_heads ({self.n_kv_heads}) must both divide "
+                "by the tp size"
+            )
+        cos, sin = self.get_buffer("rope_cos")[:seq], self.get_buffer("rope_sin")[:seq]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if heads != kv_heads:
+            k, v = _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return projected
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``(b, kv, s, d)`` → ``(b, kv * n_rep, s, d)``, each key/value head serving ``n_rep`` queries."""
+    b, kv, s, d = x.shape
+    return x.unsqueeze(2).expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
