@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.dtensor._redistribute import check_redistribute_target, redistribute_local
 from hyper_parallel.dtensor._spec import (
@@ -48,7 +50,8 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec")
+    _hp_grad_hook: RemovableHandle | None
+    __slots__ = ("_hp_grad_hook", "_local_tensor", "_spec")
 
     _dispatch_hook: ClassVar[Any] = None
 
@@ -70,10 +73,10 @@ class DTensor(torch.Tensor):
         r._spec = spec
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls,
         func: torch._ops.OpOverload,
         types: Any,
@@ -95,13 +98,32 @@ class DTensor(torch.Tensor):
         spec, requires_grad = flatten_spec
         local = inner_tensors["_local_tensor"]
         meta = TensorMeta(outer_size, outer_stride, local.dtype)
-        return DTensor(local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=requires_grad)
+        return DTensor(
+            local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=requires_grad
+        )
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
             f"placements={self._spec.placements})"
         )
+
+    def requires_grad_(self, requires_grad: bool = True) -> DTensor:
+        """Set ``requires_grad`` in place; a leaf then lays its gradients out like itself.
+
+        The gradient of a leaf arrives in whatever layout backward produced (a
+        replicated weight used with sharded activations gets a Partial gradient); a
+        hook redistributes it to the leaf's placements (Partial becoming Replicate)
+        before it is accumulated into ``.grad``, so optimizers see matching layouts.
+        ``nn.Parameter(dt)`` goes through here.
+
+        Example::
+
+            w = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]).requires_grad_()
+        """
+        super().requires_grad_(requires_grad)
+        _ensure_leaf_grad_hook(self)
+        return self
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -157,27 +179,46 @@ class DTensor(torch.Tensor):
                     f"DTensor.from_local: shape {global_shape} has {len(global_shape)} dim(s), "
                     f"the local tensor has {local_tensor.ndim}"
                 )
+        if stride is not None and len(stride) != len(global_shape):
+            raise ValueError(
+                f"DTensor.from_local: stride {tuple(stride)} has {len(stride)} entries, the "
+                f"global shape {global_shape} has {len(global_shape)} dim(s)"
+            )
         coordinate = device_mesh.get_coordinate()
+        problem = None
         if coordinate is not None:
             expected, _ = local_shape_and_offset(
                 global_shape, device_mesh.shape, coordinate, placements_t
             )
             if tuple(local_tensor.shape) != expected:
-                raise ValueError(
+                problem = (
                     f"DTensor.from_local: with global shape {global_shape} and placements "
-                    f"{placements_t}, this rank (mesh coordinate {coordinate}) must hold a shard "
-                    f"of shape {expected}, found {tuple(local_tensor.shape)}; pass shape= for "
-                    "uneven shards"
+                    f"{placements_t}, rank {device_mesh.get_rank()} (mesh coordinate "
+                    f"{coordinate}) must hold a shard of shape {expected} (torch.chunk "
+                    f"layout), found {tuple(local_tensor.shape)}; pass shape= for uneven shards"
                 )
+        # Under run_check every rank learns whether any rank failed, so none is left waiting.
+        if (
+            run_check
+            and coordinate is not None
+            and _any_rank_in_mesh(problem is not None, device_mesh, local_tensor.device)
+            and problem is None
+        ):
+            raise ValueError(
+                "DTensor.from_local(run_check=True): another rank's local tensor does not "
+                f"fit global shape {global_shape} with placements {placements_t} (see the "
+                "error on that rank)"
+            )
+        if problem is not None:
+            raise ValueError(problem)
         meta = TensorMeta(
             global_shape,
             tuple(stride) if stride is not None else contiguous_strides(global_shape),
             local_tensor.dtype,
         )
         spec = DTensorSpec(device_mesh, placements_t, meta)
-        if run_check:
-            local_tensor = _broadcast_replicated(local_tensor, spec)
-        return _FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
+        # The broadcast runs inside the autograd Function, so gradients still reach the input.
+        return _FromLocal.apply(local_tensor, spec, run_check)  # type: ignore[no-any-return]
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor; differentiable.
@@ -209,11 +250,8 @@ class DTensor(torch.Tensor):
             full = dt.redistribute(placements=[Replicate()])
         """
         mesh = self._spec.mesh
-        if device_mesh is not None and device_mesh != mesh:
-            raise ValueError(
-                f"DTensor.redistribute: moving between meshes is not supported; the tensor is on "
-                f"{mesh}, the target is {device_mesh}"
-            )
+        if device_mesh is not None:
+            check_same_mesh(device_mesh, mesh, where="DTensor.redistribute")
         if placements is None:
             raise ValueError("DTensor.redistribute: placements are required")
         dst = normalize_placements(placements, mesh.ndim, self.ndim, where="DTensor.redistribute")
@@ -249,6 +287,16 @@ def _global_shape_from_shards(
     return tuple(sizes)
 
 
+def _any_rank_in_mesh(flag: bool, mesh: DeviceMesh, device: torch.device) -> bool:
+    """True on every rank of ``mesh`` when ``flag`` is true on any of them (collective)."""
+    platform = get_platform()
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    for axis in range(mesh.ndim):
+        if mesh.size(axis) > 1:
+            value = platform.all_reduce(value, mesh.get_group(axis), "max")
+    return bool(value.item())
+
+
 def _broadcast_replicated(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     platform = get_platform()
     for axis, p in enumerate(spec.placements):
@@ -257,21 +305,62 @@ def _broadcast_replicated(local: torch.Tensor, spec: DTensorSpec) -> torch.Tenso
     return local
 
 
-def _grad_target(forward: tuple[Placement, ...], grad: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Where a gradient must go in backward: the forward layout, Partial kept lazy.
+def _grad_target(
+    forward: tuple[Placement, ...], grad: tuple[Placement, ...]
+) -> tuple[Placement, ...]:
+    """Where the gradient of a redistribute input goes in backward (torch DTensor's rule).
 
-    A Partial gradient stays Partial (it is reduced once, where it is consumed);
-    the gradient of a Partial forward value is Replicate.
+    The forward input's layout, except that a gradient which is not Partial is not
+    turned back into the Partial of the forward value: it stays Replicate. So a
+    Partial gradient of a Shard or Replicate input is reduced here.
     """
     target: list[Placement] = []
-    for fwd, cur in zip(forward, grad):
-        if cur.is_partial():
-            target.append(cur)
-        elif fwd.is_partial():
+    for fwd, cur in zip(forward, grad, strict=True):
+        if fwd.is_partial() and not cur.is_partial():
             target.append(Replicate())
         else:
             target.append(fwd)
     return tuple(target)
+
+
+def _grad_placements_of(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """The layout of the gradient of a value laid out as ``placements``: Partial becomes Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _leaf_grad_hook(leaf: DTensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A gradient hook that lays an incoming gradient out like ``leaf`` (weakly referenced)."""
+    leaf_ref = weakref.ref(leaf)
+
+    def to_leaf_layout(grad: torch.Tensor) -> torch.Tensor | None:
+        owner = leaf_ref()
+        if owner is None:
+            return None
+        spec = owner._spec
+        target = _grad_placements_of(spec.placements)
+        grad_dt = _as_dtensor_grad(grad, spec)
+        if grad_dt._spec.placements == target and grad_dt is grad:
+            return None  # already laid out like the leaf: nothing to do
+        check_same_mesh(grad_dt._spec.mesh, spec.mesh, where="DTensor gradient hook")
+        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
+        return DTensor(local, grad_dt._spec.with_placements(target))
+
+    return to_leaf_layout
+
+
+def _ensure_leaf_grad_hook(dt: DTensor) -> None:
+    """Register the layout hook on a leaf that requires grad, once per tensor object."""
+    if dt.is_leaf and dt.requires_grad and getattr(dt, "_hp_grad_hook", None) is None:
+        dt._hp_grad_hook = dt.register_hook(_leaf_grad_hook(dt))  # type: ignore[no-untyped-call]
+
+
+def check_same_mesh(found: DeviceMesh, expected: DeviceMesh, *, where: str) -> None:
+    """Raise ``ValueError`` unless ``found`` is ``expected`` (moving between meshes is unsupported)."""
+    if found != expected:
+        raise ValueError(
+            f"{where}: moving between meshes is not supported; the tensor is on {expected}, "
+            f"found {found}"
+        )
 
 
 def _as_dtensor_grad(grad: torch.Tensor, like: DTensorSpec) -> DTensor:
@@ -285,17 +374,24 @@ def _as_dtensor_grad(grad: torch.Tensor, like: DTensorSpec) -> DTensor:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, spec: DTensorSpec, run_check: bool
+    ) -> DTensor:
         ctx.spec = spec
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        value = _broadcast_replicated(local, spec) if run_check else local
+        if value is local:
+            value = local.view_as(local)
+        return DTensor(value, spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
         spec: DTensorSpec = ctx.spec
         grad_dt = _as_dtensor_grad(grad, spec)
-        target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        target = _grad_placements_of(spec.placements)
         local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
-        return local, None
+        return local, None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -381,7 +477,9 @@ def distribute_tensor(
         local = _local_slice(data, device_mesh, coordinate, placements_t)
     else:
         local = _scatter_from(data, device_mesh, coordinate, placements_t, src_data_rank)
-    return DTensor(local, spec, requires_grad=tensor.requires_grad)
+    result = DTensor(local, spec, requires_grad=tensor.requires_grad)
+    _ensure_leaf_grad_hook(result)
+    return result
 
 
 def _local_slice(
@@ -389,7 +487,7 @@ def _local_slice(
 ) -> torch.Tensor:
     shape, offset = local_shape_and_offset(full.shape, mesh.shape, coordinate, placements)
     local = full
-    for dim, (start, length) in enumerate(zip(offset, shape)):
+    for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
         if length != full.shape[dim]:
             local = local.narrow(dim, start, length)
     return local.clone(memory_format=torch.contiguous_format)
@@ -429,7 +527,9 @@ def _scatter_from(
             chunks = None
             if r == root:
                 chunks = [
-                    _pad_to(piece.narrow(p.dim, bounds[k], bounds[k + 1] - bounds[k]), p.dim, full_len)
+                    _pad_to(
+                        piece.narrow(p.dim, bounds[k], bounds[k + 1] - bounds[k]), p.dim, full_len
+                    )
                     for k in range(n)
                 ]
             received = platform.scatter(chunks, piece.new_empty(like_shape), group, root)

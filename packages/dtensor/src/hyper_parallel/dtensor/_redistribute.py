@@ -24,7 +24,7 @@ def check_redistribute_target(
     src: Sequence[Placement], dst: Sequence[Placement], *, where: str
 ) -> None:
     """Raise unless every target placement is reachable (Partial only when unchanged)."""
-    for axis, (s, d) in enumerate(zip(src, dst)):
+    for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
         if isinstance(d, Partial) and s != d:
             raise ValueError(
                 f"{where}: mesh axis {axis}: cannot redistribute {s!r} to {d!r}; redistributing "
@@ -65,7 +65,9 @@ def _split_to_stacked(t: torch.Tensor, dim: int, bounds: Sequence[int]) -> torch
         shape = list(t.shape)
         shape[dim : dim + 1] = [n, full]
         return t.reshape(shape).movedim(dim, 0) if full > 0 else t.new_zeros([n, *t.shape])
-    pieces = [_pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)]
+    pieces = [
+        _pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)
+    ]
     return torch.stack(pieces, dim=0)
 
 
@@ -87,7 +89,9 @@ def _dim_size_at_axis(
     return shape[dim]
 
 
-def _gather_set(src: Sequence[Placement], dst: Sequence[Placement], use_all_to_all: set[int]) -> set[int]:
+def _gather_set(
+    src: Sequence[Placement], dst: Sequence[Placement], use_all_to_all: set[int]
+) -> set[int]:
     """Mesh axes whose shard must be all-gathered (inner nested shards of a moving dim too)."""
     gather: set[int] = set()
     for i, s in enumerate(src):
@@ -118,11 +122,21 @@ def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[
 def redistribute_local(
     local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
 ) -> torch.Tensor:
-    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd)."""
+    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
+
+    Raises ``ValueError`` for a move to Partial (see :func:`check_redistribute_target`).
+    """
     src = spec.placements
     if src == dst:
         return local
     mesh = spec.mesh
+    # Along a mesh axis of one rank every placement holds the same local values: relabel.
+    src = tuple(
+        d if mesh.size(axis) == 1 else s for axis, (s, d) in enumerate(zip(src, dst, strict=True))
+    )
+    if src == dst:
+        return local
+    check_redistribute_target(src, dst, where="redistribute")
     platform = get_platform()
     coordinate = mesh.get_coordinate()
     if coordinate is None:
@@ -130,7 +144,7 @@ def redistribute_local(
     global_shape = spec.shape
 
     all_to_all_axes: set[int] = set()
-    for i, (s, d) in enumerate(zip(src, dst)):
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         if (
             isinstance(s, Shard)
             and isinstance(d, Shard)
@@ -156,7 +170,7 @@ def redistribute_local(
         current[axis] = Replicate()
 
     # 2. reduce partial values: all-reduce, or reduce-scatter straight into a lone shard.
-    for axis, (s, d) in enumerate(zip(src, dst)):
+    for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
         if not isinstance(s, Partial) or s == d:
             continue
         n = mesh.size(axis)
