@@ -1,1 +1,66 @@
-"""Declarative tensor-parallel modules."""
+"""Declarative tensor-parallel modules: ``Module``, ``ShardingConfig``, ``local_map``.
+
+Example::
+
+    from hyper_parallel.dmodule import Module, ShardingConfig, MeshAxisName
+    model = MyModel.Config().build()      # or under torch.device("meta")
+    model.parallelize(mesh)               # shard states, wrap forwards
+    model.init_states()                   # fills only the local shards
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter
+from hyper_parallel.dmodule.model_spec import (
+    ModelRegistry,
+    ModelSpec,
+    get_spec,
+    register_spec,
+    unregister_spec,
+)
+from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.sharding import (
+    LocalMapConfig,
+    OutputShardings,
+    ShardingConfig,
+    resolve_placements,
+)
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
+from hyper_parallel.dmodule.validation import ShardingError, check_sharding, validate_sharding
+
+if TYPE_CHECKING:
+    from hyper_parallel.dmodule.containers import ModuleDict, ModuleList, Sequential
+
+__all__ = [
+    "BaseModel",
+    "LocalMapConfig",
+    "MeshAxisName",
+    "ModelConfigConverter",
+    "ModelRegistry",
+    "ModelSpec",
+    "Module",
+    "ModuleDict",
+    "ModuleList",
+    "NamedPlacement",
+    "OutputShardings",
+    "Sequential",
+    "ShardingConfig",
+    "ShardingError",
+    "check_sharding",
+    "get_spec",
+    "register_spec",
+    "resolve_placements",
+    "unregister_spec",
+    "validate_sharding",
+]
+
+_LAZY = {"ModuleList", "ModuleDict", "Sequential"}
+
+
+def __getattr__(name: str) -> Any:
+    """Containers (``ModuleList``, ``ModuleDict``, ``Sequential``) are made on first use."""
+    if name in _LAZY:
+        from hyper_parallel.dmodule import containers
+
+        return getattr(containers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

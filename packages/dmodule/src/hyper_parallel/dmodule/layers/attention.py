@@ -70,7 +70,8 @@ class Attention(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
-        """``dim``, ``n_heads``, ``n_kv_heads`` (None: ``n_heads``), ``max_seq_len``, ``rope_theta``.
+        """``dim``, ``n_heads``, ``n_kv_heads`` (None: ``n_heads``), ``max_seq_len``, ``rope_theta``;
+        ``use_rope=False`` leaves queries and keys unrotated.
 
         Example::
 
@@ -84,6 +85,7 @@ class Attention(Module):
         n_kv_heads: int | None = None
         max_seq_len: int = 128
         rope_theta: float = 10000.0
+        use_rope: bool = True
         sharding_config = block_sharding(replicated_states=_ROPE_BUFFERS)
 
         @classmethod
@@ -154,8 +156,9 @@ class Attention(Module):
                 f"n_heads ({self.n_heads}) and n_kv_heads ({self.n_kv_heads}) must both divide "
                 "by the tp size"
             )
-        cos, sin = self.get_buffer("rope_cos")[:seq], self.get_buffer("rope_sin")[:seq]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.config.use_rope:
+            cos, sin = self.get_buffer("rope_cos")[:seq], self.get_buffer("rope_sin")[:seq]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if heads != kv_heads:
             k, v = _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -54,6 +54,7 @@ class TransformerBlock(Module):
             n_kv_heads: int | None = None,
             norm_eps: float = 1e-6,
             rope_theta: float = 10000.0,
+            use_rope: bool = True,
             local_map: bool = False,
             sequence_parallel: bool = False,
         ) -> TransformerBlock.Config:
@@ -79,6 +80,7 @@ class TransformerBlock(Module):
                     n_kv_heads=n_kv_heads,
                     max_seq_len=max_seq_len,
                     rope_theta=rope_theta,
+                    use_rope=use_rope,
                 ),
                 feed_forward=FeedForward.Config.tensor_parallel(
                     local_map=local_map,

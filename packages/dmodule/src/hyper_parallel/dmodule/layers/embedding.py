@@ -67,6 +67,24 @@ class Embedding(Module):
                 ),
             )
 
+        @classmethod
+        def replicated(cls, num_embeddings: int, embedding_dim: int) -> Embedding.Config:
+            """The whole table on every rank of ``tp``; tokens and output replicated.
+
+            Example::
+
+                >>> Embedding.Config.replicated(1000, 64).sharding_config.state_shardings
+                {'weight': {MeshAxisName.TP: Replicate()}}
+            """
+            return cls(
+                num_embeddings=num_embeddings,
+                embedding_dim=embedding_dim,
+                sharding_config=ShardingConfig(
+                    state_shardings={"weight": replicated()},
+                    in_src_shardings={"tokens": replicated()},
+                ),
+            )
+
     def __init__(self, config: Embedding.Config) -> None:
         super().__init__()
         self.config = config

@@ -122,6 +122,29 @@ class Linear(Module):
                 sharding_config=sharding,
             )
 
+        @classmethod
+        def replicated(
+            cls, in_features: int, out_features: int, *, bias: bool = False
+        ) -> Linear.Config:
+            """The whole weight on every rank of ``tp``: a replicated input gives a replicated output.
+
+            Example::
+
+                >>> Linear.Config.replicated(16, 32).sharding_config.state_shardings
+                {'weight': {MeshAxisName.TP: Replicate()}}
+            """
+            states: dict[str, NamedPlacement] = {"weight": replicated()}
+            if bias:
+                states["bias"] = replicated()
+            return cls(
+                in_features=in_features,
+                out_features=out_features,
+                bias=bias,
+                sharding_config=ShardingConfig(
+                    state_shardings=states, in_dst_shardings={"x": replicated()}
+                ),
+            )
+
     def __init__(self, config: Linear.Config) -> None:
         super().__init__()
         self.config = config

@@ -67,8 +67,10 @@ class Llama(BaseModel):
         max_seq_len: int = 64
         norm_eps: float = 1e-6
         rope_theta: float = 10000.0
+        use_rope: bool = True
         use_local_map: bool = False
         sequence_parallel: bool = False
+        vocab_parallel: bool = True
 
         def block(self) -> TransformerBlock.Config:
             """The Config of every block.
@@ -86,6 +88,7 @@ class Llama(BaseModel):
                 max_seq_len=self.max_seq_len,
                 norm_eps=self.norm_eps,
                 rope_theta=self.rope_theta,
+                use_rope=self.use_rope,
                 local_map=self.use_local_map,
                 sequence_parallel=self.sequence_parallel,
             )
@@ -107,9 +110,15 @@ class Llama(BaseModel):
         super().__init__()
         self.config = config
         sp = config.sequence_parallel
-        self.tok_embeddings = Embedding.Config.vocab_parallel(
-            config.vocab_size, config.dim, sequence_parallel=sp
-        ).build()
+        if config.vocab_parallel:
+            embedding = Embedding.Config.vocab_parallel(
+                config.vocab_size, config.dim, sequence_parallel=sp
+            )
+            output = Linear.Config.colwise(config.dim, config.vocab_size, sequence_parallel=sp)
+        else:
+            embedding = Embedding.Config.replicated(config.vocab_size, config.dim)
+            output = Linear.Config.replicated(config.dim, config.vocab_size)
+        self.tok_embeddings = embedding.build()
         block = config.block()
         self.layers = ModuleList([block.build() for _ in range(config.n_layers)])
         self.norm = (
@@ -117,9 +126,7 @@ class Llama(BaseModel):
             if sp
             else RMSNorm.Config(dim=config.dim, eps=config.norm_eps)
         ).build()
-        self.output = Linear.Config.colwise(
-            config.dim, config.vocab_size, sequence_parallel=sp
-        ).build()
+        self.output = output.build()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of integer ``tokens`` ``(batch, seq)``.

@@ -1,0 +1,460 @@
+"""Module: a configurable layer with declarative initialisation and tensor parallelism."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+
+import torch
+
+from hyper_parallel.config import Configurable, enforce_module_config_slots
+from hyper_parallel.dmodule._forward import ForwardPlan
+from hyper_parallel.dmodule.local_map import local_states
+from hyper_parallel.dmodule.sharding import ShardingConfig
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
+from hyper_parallel.platform import get_platform
+
+__all__ = ["Module", "ParamInit", "distribute_state"]
+
+platform = get_platform()
+
+if TYPE_CHECKING:
+    _PlatformModule = torch.nn.Module
+else:
+    _PlatformModule = platform.Module
+
+ParamInit = Callable[[torch.Tensor], object]
+"""An initializer: called with the parameter (a DTensor once parallelized), fills it in place."""
+
+_M = TypeVar("_M", bound="Module")
+
+# Positional parameter names of each class's forward (the signature is read once per class).
+_POSITIONAL_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_forward_signatures: dict[type, tuple[tuple[str, ...], frozenset[str], bool]] = {}
+# Per original class, its subclass whose forward runs the ForwardPlan (see _parallel_class).
+_parallel_classes: dict[type, type] = {}
+# Per platform class, its Module wrapper (see Module.from_nn_module).
+_wrapped_classes: dict[type, type] = {}
+
+
+def forward_signature(cls: type) -> tuple[tuple[str, ...], frozenset[str], bool]:
+    """``(positional names, all names, accepts **kwargs)`` of ``cls.forward``, cached per class.
+
+    Example::
+
+        >>> class Net(torch.nn.Module):
+        ...     def forward(self, x, mask=None, *, scale=1.0): ...
+        >>> positional, names, var_keyword = forward_signature(Net)
+        >>> positional, sorted(names), var_keyword
+        (('x', 'mask'), ['mask', 'scale', 'x'], False)
+    """
+    cached = _forward_signatures.get(cls)
+    if cached is None:
+        forward = cast("Callable[..., object]", getattr(cls, "forward"))  # noqa: B009
+        params = list(inspect.signature(forward).parameters.values())[1:]  # drop self
+        positional = tuple(p.name for p in params if p.kind in _POSITIONAL_KINDS)
+        named = frozenset(
+            p.name
+            for p in params
+            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        )
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        cached = _forward_signatures[cls] = (positional, named, var_kw)
+    return cached
+
+
+def distribute_state(
+    tensor: torch.Tensor, mesh: DeviceMesh, placements: list[Placement]
+) -> DTensor:
+    """Lay a full state tensor out over ``mesh`` (meta tensors give meta shards, no comm).
+
+    Real tensors are taken from the mesh's first rank, so every rank ends up with
+    slices of the same values even if their copies differed.
+
+    Example::
+
+        w = distribute_state(torch.randn(8, 4), mesh, [Shard(0)])
+    """
+    src: int | None = None if tensor.is_meta else int(mesh.mesh.flatten()[0])
+    return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=src)
+
+
+class Module(_PlatformModule, Configurable):
+    """A layer built from its ``Config``, initialised by ``init_states``, sharded by ``parallelize``.
+
+    Subclasses declare a ``Config`` (hyperparameters, ``param_init``, ``sharding_config``)
+    and ``__init__(self, config)``; build with ``Config(...).build()``.
+
+    Example::
+
+        >>> from dataclasses import dataclass
+        >>> from hyper_parallel.dtensor import Shard
+        >>> from hyper_parallel.dmodule import MeshAxisName, ShardingConfig
+        >>> class Linear(Module):
+        ...     @dataclass(kw_only=True, slots=True)
+        ...     class Config(Module.Config):
+        ...         in_features: int = 8
+        ...         out_features: int = 4
+        ...         param_init = {"weight": torch.nn.init.kaiming_uniform_}
+        ...         sharding_config = ShardingConfig(
+        ...             state_shardings={"weight": {MeshAxisName.TP: Shard(0)}})
+        ...     def __init__(self, config: Config) -> None:
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(
+        ...             torch.empty(config.out_features, config.in_features))
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return torch.nn.functional.linear(x, self.weight)
+        >>> layer = Linear.Config().build()
+        >>> layer.init_states()
+        >>> layer(torch.ones(2, 8)).shape   # then layer.parallelize(tp_mesh)
+        torch.Size([2, 4])
+    """
+
+    _param_init: dict[str, ParamInit] | None = None
+    _sharding_config: ShardingConfig | None = None
+    _parallelized: bool = False
+    _hp_forward_plan: ForwardPlan | None = None
+    # The class a parallel subclass was made from (set on those subclasses only).
+    _hp_parallel_base: ClassVar[type | None] = None
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        """Per-layer config: initializers and the sharding spec.
+
+        ``param_init`` maps each of the layer's own parameter names to an initializer
+        applied by :meth:`Module.init_states`; ``sharding_config`` is consumed by
+        :meth:`Module.parallelize`.
+
+        Example::
+
+            >>> from hyper_parallel.dmodule import ShardingConfig
+            >>> Module.Config(param_init={"weight": torch.nn.init.ones_}).sharding_config is None
+            True
+        """
+
+        param_init: dict[str, ParamInit] | None = None
+        sharding_config: ShardingConfig | None = None
+
+        def build(self, **kwargs: Any) -> Any:
+            """Build the layer and attach ``param_init`` and ``sharding_config`` to it.
+
+            Example::
+
+                >>> Linear.Config(in_features=16).build()  # doctest: +SKIP
+            """
+            instance = Configurable.Config.build(self, **kwargs)
+            if isinstance(instance, Module):
+                # The layer's own copy when it keeps one, else a fresh copy: never the template's.
+                kept = instance.__dict__.get("config")
+                config = kept if isinstance(kept, Module.Config) else self.replace()
+                instance._param_init = config.param_init
+                instance._sharding_config = config.sharding_config
+            return instance
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        config_cls = cls.__dict__.get("Config")
+        if config_cls is not None:
+            enforce_module_config_slots(config_cls, cls.__name__)
+
+    # -- declared specs ----------------------------------------------------------------
+    @property
+    def param_init(self) -> dict[str, ParamInit] | None:
+        """Initializers by parameter name (from the Config this module was built from)."""
+        if self._param_init is not None:
+            return self._param_init
+        config = self.__dict__.get("config")
+        return config.param_init if isinstance(config, Module.Config) else None
+
+    @property
+    def sharding_config(self) -> ShardingConfig | None:
+        """Sharding spec used by :meth:`parallelize` (from the Config this module was built from)."""
+        if self._sharding_config is not None:
+            return self._sharding_config
+        config = self.__dict__.get("config")
+        return config.sharding_config if isinstance(config, Module.Config) else None
+
+    @property
+    def is_parallelized(self) -> bool:
+        """True once :meth:`parallelize` has run on this module (or an ancestor)."""
+        return self._parallelized
+
+    # -- initialisation ----------------------------------------------------------------
+    def init_states(self, *, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise this subtree: children first, then own parameters, then own buffers.
+
+        Parameters are filled by ``param_init`` (plain ``nn`` children by their
+        ``reset_parameters``), in module order, on the parameters as they are -- DTensors
+        after :meth:`parallelize`, so each rank fills only its shard with the slice of
+        the values a single-device build would get after the same ``torch.manual_seed``.
+        Buffers come from :meth:`_init_self_buffers`; a buffer that was a DTensor is laid
+        out the same way again. Every missing initializer is reported before anything
+        is touched.
+
+        Example::
+
+            >>> layer = Linear.Config().build()  # doctest: +SKIP
+            >>> layer.init_states()               # doctest: +SKIP
+        """
+        problems = _missing_initializers(self, "")
+        if problems:
+            raise ValueError(
+                f"{type(self).__name__}.init_states: missing initializers:\n  "
+                + "\n  ".join(problems)
+            )
+        self._init_subtree(buffer_device)
+
+    def _init_subtree(self, buffer_device: torch.device | str | None) -> None:
+        for child in self.children():
+            _init_module(child, buffer_device)
+        self._init_self_parameters()
+        layouts = {
+            name: (buf.device_mesh, list(buf.placements))
+            for name, buf in self._buffers.items()
+            if isinstance(buf, DTensor)
+        }
+        self._init_self_buffers(buffer_device=buffer_device)
+        for name, (mesh, placements) in layouts.items():
+            buf = self._buffers.get(name)
+            if buf is not None and not isinstance(buf, DTensor):
+                self._buffers[name] = distribute_state(buf, mesh, placements)
+
+    def _init_self_parameters(self) -> None:
+        """Apply ``param_init`` to each own parameter, in registration order."""
+        inits = self.param_init or {}
+        with torch.no_grad():
+            for name, param in self._parameters.items():
+                if param is not None:
+                    inits[name](param)
+
+    def _init_self_buffers(self, *, buffer_device: torch.device | str | None = None) -> None:
+        """Hook: (re)create this module's own buffers, e.g. on ``buffer_device``."""
+
+    def _missing_initializer(self, name: str) -> str | None:
+        """Why own parameter ``name`` has no initializer, or None when it has one."""
+        if type(self)._init_self_parameters is not Module._init_self_parameters:
+            return None  # a subclass initialising its own way answers for its parameters
+        inits = self.param_init
+        if inits is not None and name in inits:
+            return None
+        cls = type(self).__name__
+        if inits is None:
+            return f"{cls}.{name}: no initializer; {cls}.Config.param_init is not set"
+        return f"{cls}.{name}: no initializer in {cls}.Config.param_init; it has {sorted(inits)}"
+
+    # -- parallelism -------------------------------------------------------------------
+    def parallelize(self: _M, mesh: DeviceMesh) -> _M:
+        """Shard this subtree's states and wrap forwards per each module's ``sharding_config``.
+
+        Every sharding of the subtree is checked first (mesh axes, state paths, shard
+        dims, forward argument names); on any problem it raises listing all of them and
+        changes nothing. Otherwise states become DTensors (attributes of the
+        parameters kept) and a module with input/output shardings runs
+        ``redistribute inputs -> forward -> redistribute outputs``. Callable once.
+
+        Example::
+
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            model = Linear.Config().build().parallelize(mesh)
+        """
+        from hyper_parallel.dmodule.validation import ShardingError, plan_parallelize
+
+        plans, problems = plan_parallelize(self, mesh)
+        if problems:
+            raise ShardingError(type(self).__name__, problems)
+        # Build every new state first (collectives happen here), then commit by assignment.
+        replaced: dict[int, torch.Tensor] = {}
+        for plan in plans:
+            for state in plan.states:
+                if id(state.tensor) in replaced or isinstance(state.tensor, DTensor):
+                    continue
+                new: torch.Tensor = distribute_state(state.tensor, mesh, state.placements)
+                if state.is_parameter:
+                    new = _as_parameter(new, state.tensor)
+                replaced[id(state.tensor)] = new
+        for sub in self.modules():
+            state_dicts: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            for states in state_dicts:
+                for name, value in states.items():
+                    if value is not None and id(value) in replaced:
+                        states[name] = replaced[id(value)]
+        for plan in plans:
+            module = plan.module
+            if plan.forward is not None:
+                module._hp_forward_plan = plan.forward
+                module.__class__ = _parallel_class(type(module))
+            module._parallelized = True
+        return self
+
+    def _apply(self: _M, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _M:
+        # torch's _apply swaps a converted wrapper-subclass parameter into the old object
+        # (torch.utils.swap_tensors), which drops the Parameter's Python attributes and fails
+        # outright on a tensor that has a weak reference; DTensor states are re-registered,
+        # once per tensor object so that tied parameters stay tied.
+        _apply_tree(self, fn, {}, recurse=recurse)
+        return self
+
+    @classmethod
+    def from_nn_module(cls, nn_module_cls: type[torch.nn.Module]) -> type[Module]:
+        """A :class:`Module` subclass of a platform ``nn`` class, initialised by ``reset_parameters``.
+
+        Cached per class, so ``from_nn_module(nn.Linear) is from_nn_module(nn.Linear)``.
+
+        Example::
+
+            >>> Conv2d = Module.from_nn_module(torch.nn.Conv2d)
+            >>> layer = Conv2d(3, 16, kernel_size=3)
+            >>> layer.init_states()
+        """
+        cached = _wrapped_classes.get(nn_module_cls)
+        if cached is not None:
+            return cached
+        if not (isinstance(nn_module_cls, type) and issubclass(nn_module_cls, torch.nn.Module)):
+            raise TypeError(
+                f"Module.from_nn_module: expected a {platform.Module.__name__} subclass, "
+                f"found {nn_module_cls!r}"
+            )
+        attrs: dict[str, Any] = {
+            "__module__": __name__,
+            "__qualname__": nn_module_cls.__name__,
+            "__doc__": nn_module_cls.__doc__,
+        }
+        if hasattr(nn_module_cls, "reset_parameters"):
+            attrs["_init_self_parameters"] = _reset_own_parameters
+        new_cls = type(nn_module_cls.__name__, (nn_module_cls, Module), attrs)
+        _wrapped_classes[nn_module_cls] = new_cls
+        return new_cls
+
+
+def _reset_own_parameters(self: Any) -> None:
+    self.reset_parameters()
+
+
+def _as_parameter(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` as a Parameter carrying ``old``'s ``requires_grad`` and Python attributes."""
+    param = platform.Parameter(new, requires_grad=old.requires_grad)
+    for key, value in old.__dict__.items():
+        if key not in ("_is_param", "_hp_grad_hook"):
+            param.__dict__[key] = value
+    return param
+
+
+_torch_apply = cast(
+    "Callable[..., torch.nn.Module]",
+    torch.nn.Module._apply,  # untyped in torch
+)
+
+
+def _apply_tree(
+    module: torch.nn.Module,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    converted: dict[int, torch.Tensor],
+    *,
+    recurse: bool = True,
+) -> None:
+    """``nn.Module._apply`` over a subtree, DTensor states re-registered (memo: ``converted``)."""
+    if recurse:
+        for child in module.children():
+            _apply_tree(child, fn, converted)
+    state_dicts: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    held: list[tuple[dict[str, Any], str, torch.Tensor]] = [
+        (states, name, value)
+        for states in state_dicts
+        for name, value in states.items()
+        if isinstance(value, DTensor)
+    ]
+    if not held:
+        _torch_apply(module, fn, recurse=False)
+        return
+    with torch.no_grad():
+        for states, _, value in held:
+            if id(value) in converted:
+                continue
+            applied = fn(value)
+            if states is module._parameters:
+                param = _as_parameter(applied, value)
+                if value.grad is not None:
+                    param.grad = fn(value.grad)
+                applied = param
+            converted[id(value)] = applied
+    for states, name, _ in held:
+        states[name] = None  # torch's _apply skips None states
+    try:
+        _torch_apply(module, fn, recurse=False)
+    finally:
+        for states, name, value in held:
+            states[name] = converted[id(value)]
+
+
+def _init_module(module: torch.nn.Module, buffer_device: torch.device | str | None) -> None:
+    """Initialise a child: a Module by its own rules, a plain one by ``reset_parameters``."""
+    if isinstance(module, Module):
+        module._init_subtree(buffer_device)
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    for child in module.children():
+        _init_module(child, buffer_device)
+
+
+def _missing_initializers(module: torch.nn.Module, path: str) -> list[str]:
+    """Every own parameter of the subtree that ``init_states`` could not initialise."""
+    problems: list[str] = []
+    where = f" (at {path!r})" if path else ""
+    own = [name for name, p in module._parameters.items() if p is not None]
+    if isinstance(module, Module):
+        problems += [f"{why}{where}" for n in own if (why := module._missing_initializer(n))]
+    elif own and not callable(getattr(module, "reset_parameters", None)):
+        cls = type(module).__name__
+        problems += [
+            f"{cls}.{name}{where}: no initializer; a plain {cls} needs reset_parameters() "
+            f"(or wrap it with Module.from_nn_module)"
+            for name in own
+        ]
+    for name, child in module.named_children():
+        problems += _missing_initializers(child, f"{path}.{name}" if path else name)
+    return problems
+
+
+def _parallel_class(cls: type) -> type:
+    """The subclass of ``cls`` whose ``forward`` runs the instance's :class:`ForwardPlan`.
+
+    Installing the wrapper at class level (rather than a closure stored on the
+    instance) leaves no reference cycle, survives ``copy.deepcopy`` and also covers
+    direct ``module.forward(...)`` calls.
+    """
+    if getattr(cls, "_hp_parallel_base", None) is not None:
+        return cls
+    cached = _parallel_classes.get(cls)
+    if cached is not None:
+        return cached
+    base_forward = cast("Callable[..., Any]", getattr(cls, "forward"))  # noqa: B009
+
+    def forward(self: Module, *args: Any, **kwargs: Any) -> Any:
+        plan = self._hp_forward_plan
+        assert plan is not None
+        args, kwargs = plan.prepare_inputs(args, kwargs)
+        if plan.local_map:
+            with local_states(self):
+                outputs = base_forward(self, *args, **kwargs)
+        else:
+            outputs = base_forward(self, *args, **kwargs)
+        return plan.finish_outputs(outputs)
+
+    forward.__doc__ = base_forward.__doc__
+    forward.__wrapped__ = base_forward  # type: ignore[attr-defined]
+    new_cls = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": forward,
+            "_hp_parallel_base": cls,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
+    _parallel_classes[cls] = new_cls
+    return new_cls

@@ -1,0 +1,121 @@
+"""ShardingConfig: how a module's states, inputs and outputs are laid out over a named mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
+from hyper_parallel.dtensor import Placement, Replicate
+
+__all__ = [
+    "LocalMapConfig",
+    "OutputShardings",
+    "ShardingConfig",
+    "resolve_placements",
+]
+
+OutputShardings: TypeAlias = (
+    "NamedPlacement | Sequence[NamedPlacement | None] | Mapping[str, NamedPlacement | None]"
+)
+"""One :data:`NamedPlacement` for every tensor output, or one per output of a tuple, list or dict."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalMapConfig:
+    """Run ``forward`` on local shards (no DTensor dispatch inside the block).
+
+    ``in_grad_placements`` maps a forward argument name to the placements its
+    gradient has when it flows back out of the block (default: the placements
+    the input was redistributed to, ``in_dst_shardings``). Declare ``Partial()``
+    for an input whose local gradient is a partial sum, e.g. the input of a
+    column-parallel block that is replicated over ``tp``.
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Partial
+        >>> LocalMapConfig(in_grad_placements={"x": {MeshAxisName.TP: Partial()}})
+        LocalMapConfig(in_grad_placements={'x': {MeshAxisName.TP: Partial(reduce_op='sum')}})
+    """
+
+    in_grad_placements: dict[str, NamedPlacement] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingConfig:
+    """Declared layouts of one module, by mesh axis name (unnamed axes replicate).
+
+    - ``state_shardings``: parameter or buffer path (``"weight"``, ``"proj.bias"``) →
+      placements; :meth:`Module.parallelize` turns those states into DTensors.
+    - ``in_src_shardings``: forward argument → the layout a *plain* tensor argument has
+      (it is wrapped with ``DTensor.from_local``).
+    - ``in_dst_shardings``: forward argument → the layout ``forward`` receives (the input
+      is redistributed to it; a plain tensor without ``in_src`` is taken to be in it).
+    - ``out_src_shardings``: the layout of *plain* tensor outputs (wrapped with
+      ``DTensor.from_local``); one :data:`NamedPlacement` for every tensor output, or a
+      tuple/list/dict matching the output structure (``None`` leaves an output alone).
+    - ``out_dst_shardings``: the layout outputs are redistributed to; same forms.
+    - ``local_map``: run ``forward`` on local tensors (see :class:`LocalMapConfig`).
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Shard
+        >>> sc = ShardingConfig(
+        ...     state_shardings={"weight": {MeshAxisName.TP: Shard(0)}},
+        ...     in_dst_shardings={"x": {}},
+        ...     out_dst_shardings={MeshAxisName.TP: Shard(-1)},
+        ... )
+        >>> sc.state_shardings["weight"]
+        {MeshAxisName.TP: Shard(dim=0)}
+    """
+
+    state_shardings: dict[str, NamedPlacement] = field(default_factory=dict)
+    in_src_shardings: dict[str, NamedPlacement] | None = None
+    in_dst_shardings: dict[str, NamedPlacement] | None = None
+    out_src_shardings: OutputShardings | None = None
+    out_dst_shardings: OutputShardings | None = None
+    local_map: LocalMapConfig | None = None
+
+
+def resolve_placements(
+    named: NamedPlacement,
+    mesh_axis_names: Sequence[str],
+    *,
+    where: str | None = None,
+) -> list[Placement]:
+    """One placement per mesh axis from placements named by axis; unnamed axes replicate.
+
+    ``where`` prefixes errors (e.g. ``"Linear.weight"``).
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Replicate, Shard
+        >>> resolve_placements({"tp": Shard(0)}, ("dp", "tp")) == [Replicate(), Shard(0)]
+        True
+    """
+    prefix = where or "resolve_placements"
+    axes = tuple(mesh_axis_names)
+    if not isinstance(named, Mapping):
+        raise TypeError(
+            f"{prefix}: expected placements by mesh axis name (e.g. {{'tp': Shard(0)}}), "
+            f"found {named!r}"
+        )
+    placements: list[Placement] = [Replicate()] * len(axes)
+    for axis, placement in named.items():
+        if not isinstance(axis, (str, MeshAxisName)):
+            raise TypeError(
+                f"{prefix}: expected a mesh axis name (str or MeshAxisName), found {axis!r}"
+            )
+        name = axis_name(axis)
+        if name not in axes:
+            raise ValueError(
+                f"{prefix}: sharding_config names mesh axis {name!r}; mesh axes are {axes}"
+            )
+        if not isinstance(placement, Placement):
+            raise TypeError(
+                f"{prefix}: mesh axis {name!r}: expected a Placement (Shard, Replicate, "
+                f"Partial), found {placement!r}"
+            )
+        placements[axes.index(name)] = placement
+    return placements

@@ -1,0 +1,328 @@
+"""Check a model's sharding declarations against a mesh, reporting every problem at once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from hyper_parallel.dmodule._forward import ForwardPlan, OutputLayout, resolve_output_layout
+from hyper_parallel.dmodule.module import Module, forward_signature
+from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.types import NamedPlacement
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Placement, Shard
+
+__all__ = [
+    "ModulePlan",
+    "ShardingError",
+    "StatePlan",
+    "check_sharding",
+    "plan_parallelize",
+    "validate_sharding",
+]
+
+
+class ShardingError(ValueError):
+    """A model's sharding declarations do not fit a mesh; ``problems`` lists each one.
+
+    Example::
+
+        >>> str(ShardingError("Linear", ["Linear.weight: bad"]))
+        'Linear.parallelize: 1 sharding problem(s):\\n  Linear.weight: bad'
+    """
+
+    def __init__(self, owner: str, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            f"{owner}.parallelize: {len(problems)} sharding problem(s):\n  " + "\n  ".join(problems)
+        )
+
+
+@dataclass
+class StatePlan:
+    """One parameter or buffer to lay out: where it lives and its resolved placements."""
+
+    owner: torch.nn.Module
+    name: str
+    tensor: torch.Tensor
+    placements: list[Placement]
+    is_parameter: bool
+
+
+@dataclass
+class ModulePlan:
+    """What ``parallelize`` does to one :class:`Module` of the tree."""
+
+    path: str
+    module: Module
+    states: list[StatePlan] = field(default_factory=list)
+    forward: ForwardPlan | None = None
+
+
+def validate_sharding(model: torch.nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Every problem of ``model``'s sharding declarations against ``mesh`` (empty: it fits).
+
+    Example::
+
+        >>> validate_sharding(model, mesh)  # doctest: +SKIP
+        ["Linear.weight: sharding_config names mesh axis 'tpp'; mesh axes are ('dp', 'tp')"]
+    """
+    return plan_parallelize(model, mesh)[1]
+
+
+def check_sharding(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Raise :class:`ShardingError` listing every problem of ``model`` against ``mesh``.
+
+    Example::
+
+        >>> check_sharding(model, mesh)  # doctest: +SKIP
+    """
+    problems = validate_sharding(model, mesh)
+    if problems:
+        raise ShardingError(type(model).__name__, problems)
+
+
+def plan_parallelize(
+    model: torch.nn.Module, mesh: DeviceMesh
+) -> tuple[list[ModulePlan], list[str]]:
+    """Resolve every :class:`Module`'s sharding in ``model`` against ``mesh``; no mutation.
+
+    Returns the plans (pre-order) and the problems found; the plans are only
+    meaningful when there are no problems.
+
+    Example::
+
+        >>> plans, problems = plan_parallelize(model, mesh)  # doctest: +SKIP
+    """
+    if not isinstance(mesh, DeviceMesh):
+        return [], [f"parallelize: expected a DeviceMesh, found {type(mesh).__name__}"]
+    names = mesh.mesh_dim_names
+    if not names:
+        return [], [
+            f"parallelize: the mesh {mesh} has no mesh_dim_names; sharding_config names "
+            "mesh axes, so create it with init_device_mesh(..., mesh_dim_names=(...))"
+        ]
+    axes = tuple(names)
+    plans: list[ModulePlan] = []
+    problems: list[str] = []
+    claimed: dict[int, tuple[str, list[Placement]]] = {}
+    local_map_roots: list[str] = []
+    for path, sub in model.named_modules(remove_duplicate=True):
+        if not isinstance(sub, Module):
+            continue
+        label = _label(sub, path)
+        if sub.is_parallelized:
+            problems.append(
+                f"{label}: already parallelized; Module.parallelize() may be called at most "
+                "once per module"
+            )
+            continue
+        plan = ModulePlan(path, sub)
+        plans.append(plan)
+        sc = sub.sharding_config
+        if sc is None:
+            continue
+        if not isinstance(sc, ShardingConfig):
+            problems.append(f"{label}: expected a ShardingConfig, found {type(sc).__name__}")
+            continue
+        inside = [root for root in local_map_roots if _is_within(path, root)]
+        if inside and _has_io_shardings(sc):
+            problems.append(
+                f"{label}: declares input/output shardings but runs inside the local_map "
+                f"block {inside[-1]!r}, whose forward sees local tensors only"
+            )
+        _plan_states(plan, sc, mesh, axes, claimed, problems)
+        plan.forward = _plan_forward(sub, path, sc, mesh, axes, problems)
+        if sc.local_map is not None:
+            local_map_roots.append(path)
+    return plans, problems
+
+
+def _label(module: torch.nn.Module, path: str) -> str:
+    name = type(module).__name__
+    return f"{name} at {path!r}" if path else name
+
+
+def _where(module: torch.nn.Module, path: str, item: str) -> str:
+    name = f"{type(module).__name__}.{item}"
+    return f"{name} (at {path!r})" if path else name
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path != root and (root == "" or path.startswith(root + "."))
+
+
+def _has_io_shardings(sc: ShardingConfig) -> bool:
+    return any(
+        x is not None
+        for x in (
+            sc.in_src_shardings,
+            sc.in_dst_shardings,
+            sc.out_src_shardings,
+            sc.out_dst_shardings,
+        )
+    )
+
+
+def _find_state(module: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str, bool] | str:
+    """``(owner, name, is_parameter)`` of a dotted state path, or why it is not one."""
+    *parents, leaf = path.split(".")
+    owner = module
+    for i, part in enumerate(parents):
+        child = owner._modules.get(part)
+        if child is None:
+            return f"{'.'.join(parents[: i + 1])!r} is not a submodule"
+        owner = child
+    if leaf in owner._parameters:
+        return owner, leaf, True
+    if leaf in owner._buffers:
+        return owner, leaf, False
+    known = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    return f"no parameter or buffer {path!r}; it has {known}"
+
+
+def _resolve(
+    named: NamedPlacement, axes: tuple[str, ...], where: str, problems: list[str]
+) -> list[Placement] | None:
+    try:
+        return resolve_placements(named, axes, where=where)
+    except (TypeError, ValueError) as error:
+        problems.append(str(error))
+        return None
+
+
+def _normalized(
+    placements: list[Placement] | tuple[Placement, ...], ndim: int
+) -> tuple[Placement, ...]:
+    return tuple(
+        Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements
+    )
+
+
+def _plan_states(
+    plan: ModulePlan,
+    sc: ShardingConfig,
+    mesh: DeviceMesh,
+    axes: tuple[str, ...],
+    claimed: dict[int, tuple[str, list[Placement]]],
+    problems: list[str],
+) -> None:
+    module, path = plan.module, plan.path
+    if not isinstance(sc.state_shardings, Mapping):
+        problems.append(
+            f"{_label(module, path)}: state_shardings must map state paths to placements, "
+            f"found {sc.state_shardings!r}"
+        )
+        return
+    for state_path, named in sc.state_shardings.items():
+        where = _where(module, path, state_path)
+        found = _find_state(module, state_path)
+        if isinstance(found, str):
+            problems.append(f"{where}: sharding_config names a state that does not exist: {found}")
+            continue
+        owner, name, is_parameter = found
+        tensor = (owner._parameters if is_parameter else owner._buffers)[name]
+        if tensor is None:
+            problems.append(f"{where}: the state is None; only tensors can be sharded")
+            continue
+        placements = _resolve(named, axes, where, problems)
+        if placements is None:
+            continue
+        bad = False
+        for axis, p in zip(axes, placements, strict=True):
+            if isinstance(p, Partial):
+                problems.append(
+                    f"{where}: mesh axis {axis!r}: states are laid out with Shard(dim) or "
+                    f"Replicate(), found {p!r}"
+                )
+                bad = True
+            elif isinstance(p, Shard) and not -tensor.ndim <= p.dim < tensor.ndim:
+                problems.append(
+                    f"{where}: mesh axis {axis!r}: Shard(dim={p.dim}) is out of range for a "
+                    f"tensor of shape {tuple(tensor.shape)} ({tensor.ndim} dims)"
+                )
+                bad = True
+        if bad:
+            continue
+        wanted = _normalized(placements, tensor.ndim)
+        if isinstance(tensor, DTensor):
+            if tensor.device_mesh != mesh or _normalized(tensor.placements, tensor.ndim) != wanted:
+                problems.append(
+                    f"{where}: already a DTensor on {tensor.device_mesh} with placements "
+                    f"{tensor.placements}, but sharding_config expects {list(wanted)} on {mesh}"
+                )
+            continue
+        previous = claimed.get(id(tensor))
+        if previous is not None:
+            if _normalized(previous[1], tensor.ndim) != wanted:
+                problems.append(
+                    f"{where}: the same tensor is also {previous[0]} with placements "
+                    f"{previous[1]}; a shared state has one layout, found {placements}"
+                )
+            continue
+        claimed[id(tensor)] = (where, placements)
+        plan.states.append(StatePlan(owner, name, tensor, placements, is_parameter))
+
+
+def _plan_forward(
+    module: Module,
+    path: str,
+    sc: ShardingConfig,
+    mesh: DeviceMesh,
+    axes: tuple[str, ...],
+    problems: list[str],
+) -> ForwardPlan | None:
+    if not _has_io_shardings(sc) and sc.local_map is None:
+        return None
+    label = _label(module, path)
+    positional, named, var_kw = forward_signature(type(module))
+    resolved: dict[str, dict[str, tuple[Placement, ...]]] = {}
+    grad_spec = sc.local_map.in_grad_placements if sc.local_map is not None else None
+    for kind, spec in (
+        ("in_src_shardings", sc.in_src_shardings),
+        ("in_dst_shardings", sc.in_dst_shardings),
+        ("local_map.in_grad_placements", grad_spec),
+    ):
+        resolved[kind] = {}
+        if spec is None:
+            continue
+        if not isinstance(spec, Mapping):
+            problems.append(
+                f"{label}: {kind} must map forward argument names to placements, found {spec!r}"
+            )
+            continue
+        for arg, item in spec.items():
+            where = f"{_where(module, path, arg)} ({kind})"
+            if arg not in named and not var_kw:
+                problems.append(
+                    f"{label}: {kind} names argument {arg!r}, which {type(module).__name__}."
+                    f"forward does not take; its arguments are {sorted(named)}"
+                )
+                continue
+            placements = _resolve(item, axes, where, problems)
+            if placements is not None:
+                resolved[kind][arg] = tuple(placements)
+    outputs: dict[str, OutputLayout | None] = {}
+    for kind, out_spec in (
+        ("out_src_shardings", sc.out_src_shardings),
+        ("out_dst_shardings", sc.out_dst_shardings),
+    ):
+        outputs[kind] = None
+        if out_spec is None:
+            continue
+        try:
+            outputs[kind] = resolve_output_layout(out_spec, axes, where=f"{label} ({kind})")
+        except (TypeError, ValueError) as error:
+            problems.append(str(error))
+    return ForwardPlan(
+        owner=label,
+        mesh=mesh,
+        positional_names=positional,
+        in_src=resolved["in_src_shardings"],
+        in_dst=resolved["in_dst_shardings"],
+        out_src=outputs["out_src_shardings"],
+        out_dst=outputs["out_dst_shardings"],
+        local_map=sc.local_map is not None,
+        in_grad=resolved["local_map.in_grad_placements"],
+    )
