@@ -10,7 +10,7 @@ import torch
 
 from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, enforce_layout
 
 __all__ = [
     "EveryOutput",
@@ -136,7 +136,9 @@ class ForwardPlan:
                 return value
             value = DTensor.from_local(value, self.mesh, layout)
         if dst is not None:
-            value = value.redistribute(self.mesh, dst)
+            # a declared input layout holds both ways: the gradient leaves the module in it too
+            # (a Partial gradient is reduced once here, as Megatron's "copy to parallel region")
+            value = enforce_layout(value, dst)
         if self.local_map:
             grad = self.in_grad.get(name) if name is not None else None
             return value.to_local(grad_placements=grad)

@@ -11,7 +11,7 @@ Example::
 """
 
 from hyper_parallel.dtensor import _ops  # noqa: F401  (registers the sharding rules)
-from hyper_parallel.dtensor._api import DTensor, distribute_tensor
+from hyper_parallel.dtensor._api import DTensor, distribute_tensor, enforce_layout
 from hyper_parallel.dtensor._dispatch import (
     FallbackWarning,
     clear_plan_cache,
@@ -20,10 +20,12 @@ from hyper_parallel.dtensor._dispatch import (
     plan_cache_size,
     reset_fallback_counts,
 )
+from hyper_parallel.dtensor.debug import CommDebugMode
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
+    "CommDebugMode",
     "DTensor",
     "DeviceMesh",
     "FallbackWarning",
@@ -33,6 +35,7 @@ __all__ = [
     "Shard",
     "clear_plan_cache",
     "distribute_tensor",
+    "enforce_layout",
     "fallback_counts",
     "implicit_replication",
     "init_device_mesh",

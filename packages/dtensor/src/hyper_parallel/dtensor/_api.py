@@ -21,7 +21,7 @@ from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
-__all__ = ["DTensor", "distribute_tensor"]
+__all__ = ["DTensor", "distribute_tensor", "enforce_layout"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -269,6 +269,25 @@ class DTensor(torch.Tensor):
         """
         replicated = self.redistribute(placements=(Replicate(),) * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
+
+
+def enforce_layout(dt: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """Redistribute ``dt`` to ``placements`` and lay its gradient out the same way in backward.
+
+    Unlike :meth:`DTensor.redistribute`, it records a node even when nothing moves, so
+    a Partial gradient arriving from later ops is reduced here. That is what a module
+    boundary with declared input placements needs: Megatron's "copy to parallel
+    region" for a replicated block input, whose gradient is all-reduced once at the
+    boundary instead of travelling on as partial sums.
+
+    Example::
+
+        x = enforce_layout(x, [Replicate()])   # forward: nothing moves; backward: one all-reduce
+    """
+    mesh = dt._spec.mesh
+    dst = normalize_placements(placements, mesh.ndim, dt.ndim, where="enforce_layout")
+    check_redistribute_target(dt._spec.placements, dst, where="enforce_layout")
+    return _Redistribute.apply(dt, dst)  # type: ignore[no-any-return]
 
 
 def _global_shape_from_shards(
