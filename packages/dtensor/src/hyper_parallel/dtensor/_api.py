@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -347,16 +346,15 @@ def _grad_placements_of(placements: tuple[Placement, ...]) -> tuple[Placement, .
     return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
-def _leaf_grad_hook(leaf: DTensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    """A gradient hook that lays an incoming gradient out like ``leaf`` (weakly referenced)."""
-    leaf_ref = weakref.ref(leaf)
+def _leaf_grad_hook(spec: DTensorSpec) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A gradient hook that lays an incoming gradient out like a leaf of layout ``spec``.
+
+    It holds the leaf's spec, not the leaf: no reference cycle, and no weak
+    reference (which ``torch.utils.swap_tensors``, used by ``Module.to_empty``, refuses).
+    """
+    target = _grad_placements_of(spec.placements)
 
     def to_leaf_layout(grad: torch.Tensor) -> torch.Tensor | None:
-        owner = leaf_ref()
-        if owner is None:
-            return None
-        spec = owner._spec
-        target = _grad_placements_of(spec.placements)
         grad_dt = _as_dtensor_grad(grad, spec)
         if grad_dt._spec.placements == target and grad_dt is grad:
             return None  # already laid out like the leaf: nothing to do
@@ -370,7 +368,7 @@ def _leaf_grad_hook(leaf: DTensor) -> Callable[[torch.Tensor], torch.Tensor | No
 def _ensure_leaf_grad_hook(dt: DTensor) -> None:
     """Register the layout hook on a leaf that requires grad, once per tensor object."""
     if dt.is_leaf and dt.requires_grad and getattr(dt, "_hp_grad_hook", None) is None:
-        dt._hp_grad_hook = dt.register_hook(_leaf_grad_hook(dt))  # type: ignore[no-untyped-call]
+        dt._hp_grad_hook = dt.register_hook(_leaf_grad_hook(dt._spec))  # type: ignore[no-untyped-call]
 
 
 def check_same_mesh(found: DeviceMesh, expected: DeviceMesh, *, where: str) -> None:

@@ -1,14 +1,17 @@
 """Running torch ops on DTensors: sharding rules, redistribution, a decision cache, a fallback.
 
-For each op call the dispatcher builds a cache key from the op and its argument
-specs. On a miss it runs the op on meta tensors of the global shapes (output
+For each op call the dispatcher builds a cache key from its argument specs (per
+op). On a miss it runs the op on meta tensors of the global shapes (output
 metadata), asks the op's sharding rule which placements the inputs must have and
-which the outputs get, and stores that plan. Every call then redistributes the
-inputs the plan names, runs the op on local shards and wraps the results.
+which the outputs get, and stores that plan with everything a call needs
+precomputed (which inputs move, the output specs, what the op returns). Every
+call then redistributes the inputs the plan names, runs the op on local shards
+and wraps the results.
 
 An op without a rule falls back to: gather every input to Replicate, run on full
-tensors, return Replicate. That is always correct; it warns once per op and
-counts in :func:`fallback_counts`.
+tensors, return Replicate (mutated inputs get their new values back in their own
+layout). That is always correct; it warns once per op and counts in
+:func:`fallback_counts`.
 """
 
 from __future__ import annotations
@@ -23,20 +26,27 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._api import DTensor
+from hyper_parallel.dtensor._api import DTensor, _local_slice, contiguous_strides
 from hyper_parallel.dtensor._redistribute import redistribute_local
-from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta
+from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, local_shape_and_offset
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Placement, Replicate
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
     "Decision",
     "FallbackWarning",
     "OpCall",
+    "clear_plan_cache",
+    "dispatch",
+    "dispatch_by_rules",
     "fallback_counts",
     "implicit_replication",
+    "plan_cache_size",
+    "plan_derivations",
     "register_rule",
     "register_special",
+    "register_tag_rule",
+    "reset_fallback_counts",
 ]
 
 aten = torch.ops.aten
@@ -67,6 +77,10 @@ class OpCall:
 
 
 LocalFn = Callable[..., Any]
+Rewrite = Callable[
+    [tuple[Any, ...], dict[str, Any], list[tuple[int, ...] | None]],
+    tuple[tuple[Any, ...], dict[str, Any]],
+]
 
 
 @dataclass(slots=True)
@@ -81,10 +95,10 @@ class Decision:
     inputs: list[Placements]
     outputs: list[Placements | None]
     local_fn: LocalFn | None = None
-    rewrite: Callable[[tuple[Any, ...], dict[str, Any], list[tuple[int, ...] | None]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None
+    rewrite: Rewrite | None = None
 
 
-Rule = Callable[[OpCall], Decision]
+Rule = Callable[[OpCall], "Decision | None"]
 Special = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], Any]
 
 _RULES: dict[Any, Rule] = {}
@@ -93,46 +107,81 @@ _SPECIALS: dict[Any, Special] = {}
 
 
 def register_rule(*ops: Any) -> Callable[[Rule], Rule]:
-    """Register a sharding rule for op overloads (or whole overload packets)."""
+    """Register a sharding rule for op overloads (or whole overload packets).
+
+    Example::
+
+        @register_rule(torch.ops.aten.relu.default)
+        def relu_rule(call: OpCall) -> Decision: ...
+    """
 
     def deco(rule: Rule) -> Rule:
         for op in ops:
             _RULES[op] = rule
+        _OPS.clear()
         return rule
 
     return deco
 
 
 def register_special(*ops: Any) -> Callable[[Special], Special]:
-    """Register a handler that takes the whole call (for ops that are not shard-local)."""
+    """Register a handler that takes the whole call (for ops that are not shard-local).
+
+    Example::
+
+        @register_special(torch.ops.aten.detach.default)
+        def detach(func, args, kwargs): ...
+    """
 
     def deco(handler: Special) -> Special:
         for op in ops:
             _SPECIALS[op] = handler
+        _OPS.clear()
         return handler
 
     return deco
 
 
 def register_tag_rule(tag: Any, rule: Rule) -> None:
-    """Register the rule of every op carrying ``tag`` (e.g. ``torch.Tag.pointwise``)."""
+    """Register the rule of every op carrying ``tag`` (e.g. ``torch.Tag.pointwise``).
+
+    Example::
+
+        register_tag_rule(torch.Tag.pointwise, pointwise_rule)
+    """
     _TAG_RULES[tag] = rule
+    _OPS.clear()
 
 
 def rule_for(func: torch._ops.OpOverload) -> Rule | None:
-    """The rule of an op overload, of its overload packet, or of one of its tags."""
-    rule = _RULES.get(func)
+    """The rule of an op overload, of its overload packet, or of one of its tags.
+
+    An in-place op (``mul_``) without a rule of its own takes the tag rule of its
+    functional form (``mul``), which torch tags more consistently.
+    """
+    rule = _RULES.get(func) or _RULES.get(func.overloadpacket)
     if rule is None:
-        rule = _RULES.get(func.overloadpacket)
-    if rule is None:
-        for tag in func.tags:
-            rule = _TAG_RULES.get(tag)
-            if rule is not None:
-                break
+        rule = _tag_rule(func)
+    if rule is None and func._schema.name.endswith("_"):
+        functional = getattr(aten, func._schema.name.split("::")[-1][:-1], None)
+        overload = getattr(functional, func._overloadname, None) if functional is not None else None
+        if isinstance(overload, torch._ops.OpOverload):
+            rule = _tag_rule(overload)
     return rule
 
 
+def _tag_rule(func: torch._ops.OpOverload) -> Rule | None:
+    for tag in func.tags:
+        rule = _TAG_RULES.get(tag)
+        if rule is not None:
+            return rule
+    return None
+
+
+# -- debug counters ----------------------------------------------------------------------
+
 _fallbacks: Counter[str] = Counter()
+_derivations = [0]
 
 
 def fallback_counts() -> dict[str, int]:
@@ -146,9 +195,26 @@ def fallback_counts() -> dict[str, int]:
 
 
 def reset_fallback_counts() -> None:
-    """Forget the fallback counts."""
+    """Forget the fallback counts.
+
+    Example::
+
+        reset_fallback_counts(); y = torch.sort(dt); fallback_counts()  # {'aten.sort.default': 1}
+    """
     _fallbacks.clear()
 
+
+def plan_derivations() -> int:
+    """How many sharding decisions were derived (cache misses) since the process started.
+
+    Example::
+
+        n = plan_derivations(); dt + dt; dt + dt; plan_derivations() - n  # 1 (or 0 if cached)
+    """
+    return _derivations[0]
+
+
+# -- implicit replication ----------------------------------------------------------------
 
 _implicit_replication: ContextVar[bool] = ContextVar("hp_implicit_replication", default=False)
 
@@ -169,52 +235,298 @@ def implicit_replication() -> Iterator[None]:
         _implicit_replication.reset(token)
 
 
+# -- per-op facts and plans --------------------------------------------------------------
+
+# How an op's result is built from the local call's result.
+_WRAP = 0  # wrap every tensor output with its planned spec
+_ALIASES = 1  # return the written DTensor arguments the schema's returns alias
+_NOTHING = 2  # the op returns nothing (e.g. in-place foreach ops)
+
+_MAX_PLANS_PER_OP = 1024
+
+
+@dataclass(slots=True)
+class _OpInfo:
+    """What the dispatcher knows about one op overload, computed once."""
+
+    func: torch._ops.OpOverload
+    special: Special | None
+    rule: Rule | None
+    floats_by_type: bool  # float arguments key the cache by type only (the rule ignores values)
+    written: tuple[str, ...]  # names of the arguments the op writes
+    return_aliases: tuple[str | None, ...]  # per schema return: the written argument it is
+    plans: dict[Any, _Plan] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class _Plan:
-    targets: list[Placements]
-    out_specs: list[DTensorSpec | None]
-    local_fn: LocalFn | None
-    rewrite: Any
-    inplace: bool
+    """Everything one call needs, precomputed from the rule's decision."""
+
     fallback: bool
+    fn: LocalFn
+    moves: tuple[tuple[int, Placements], ...] = ()  # (DTensor index, target) of moving inputs
+    moved_specs: tuple[DTensorSpec | None, ...] = ()  # spec after the move, per DTensor
+    mutated: tuple[int, ...] = ()  # DTensor indices the op writes
+    relabel: tuple[
+        tuple[int, DTensorSpec], ...
+    ] = ()  # written DTensors whose layout the op changes
+    result: int = _WRAP
+    returned: tuple[tuple[int, ...], ...] = ()  # per return: DTensor indices it aliases
+    single: DTensorSpec | None = None  # the op returns one tensor, wrapped with this spec
+    out_specs: tuple[DTensorSpec | None, ...] = ()
     out_local_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
+    rewrite: Rewrite | None = None
+    reason: str = ""
 
 
-_MAX_CACHE = 8192
-_plans: dict[Any, _Plan] = {}
+_OPS: dict[int, _OpInfo] = {}
+
+
+def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
+    info = _OPS.get(id(func))
+    if info is None:
+        schema = func._schema
+        written = tuple(
+            a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+        )
+        aliases: list[str | None] = []
+        for r in schema.returns:
+            name = None
+            if r.alias_info is not None and r.alias_info.is_write:
+                for a in schema.arguments:
+                    ai = a.alias_info
+                    if ai is not None and ai.is_write and ai.before_set == r.alias_info.before_set:
+                        name = a.name
+                        break
+            aliases.append(name)
+        info = _OpInfo(
+            func=func,
+            special=_SPECIALS.get(func),
+            rule=rule_for(func),
+            floats_by_type=torch.Tag.pointwise in func.tags
+            or schema.name.startswith("aten::_foreach_"),
+            written=written,
+            return_aliases=tuple(aliases),
+        )
+        _OPS[id(func)] = info
+    return info
 
 
 def clear_plan_cache() -> None:
-    """Forget every cached sharding decision."""
-    _plans.clear()
+    """Forget every cached sharding decision.
+
+    Example::
+
+        clear_plan_cache(); plan_cache_size()  # 0
+    """
+    for info in _OPS.values():
+        info.plans.clear()
 
 
 def plan_cache_size() -> int:
-    """Number of cached sharding decisions."""
-    return len(_plans)
+    """Number of cached sharding decisions.
+
+    Example::
+
+        n = plan_cache_size(); dt + dt; dt + dt; plan_cache_size() - n  # at most 1
+    """
+    return sum(len(info.plans) for info in _OPS.values())
+
+
+# -- the hot path --------------------------------------------------------------------------
 
 
 class _MixedTensorError(TypeError):
     pass
 
 
-def _key_of(
-    value: Any, specs: list[DTensorSpec], dtensors: list[DTensor], func: Any, where: str
+_TRUE = ("bool", True)
+_FALSE = ("bool", False)
+
+
+def _seq_key(value: Sequence[Any], dtensors: list[DTensor], floats_by_type: bool) -> Any:
+    """Cache key of a list/tuple argument; collects the DTensors in it (in order)."""
+    parts: list[Any] = []
+    for v in value:
+        if isinstance(v, DTensor):
+            dtensors.append(v)
+            parts.append(v._spec)
+        elif isinstance(v, torch.Tensor):
+            if v.ndim:
+                raise _MixedTensorError
+            parts.append((v.dtype, v.device))
+        elif isinstance(v, (list, tuple)):
+            parts.append(_seq_key(v, dtensors, floats_by_type))
+        elif type(v) is float:
+            parts.append(float if floats_by_type else (float, v))
+        elif type(v) is bool:
+            parts.append(_TRUE if v else _FALSE)
+        else:
+            parts.append(v)
+    return tuple(parts)
+
+
+def dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
+
+    Example::
+
+        dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})  # what dt + dt runs
+    """
+    info = _OPS.get(id(func)) or _op_info(func)
+    if info.special is not None:
+        return info.special(func, args, kwargs)
+    return _dispatch(info, args, kwargs)
+
+
+def dispatch_by_rules(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    if isinstance(value, DTensor):
-        specs.append(value._spec)
-        dtensors.append(value)
-        return value._spec
-    if isinstance(value, torch.Tensor):
-        if value.ndim == 0:
-            return ("scalar", value.dtype, value.device)
-        raise _MixedTensorError(where)
-    if isinstance(value, (list, tuple)):
-        return tuple(_key_of(v, specs, dtensors, func, f"{where}[{i}]") for i, v in enumerate(value))
-    return value
+    """Run ``func`` through its sharding rule (or the fallback), bypassing special handlers.
+
+    Example::
+
+        dispatch_by_rules(torch.ops.aten.copy_.default, (dst, src), {})
+    """
+    return _dispatch(_OPS.get(id(func)) or _op_info(func), args, kwargs)
 
 
-def _promote_plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _dispatch(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dtensors: list[DTensor] = []
+    key: list[Any] = []
+    local_args: list[Any] = []
+    flat = True  # no DTensor inside a list or in kwargs: local_args is the local call
+    by_type = info.floats_by_type
+    try:
+        for a in args:
+            if isinstance(a, DTensor):
+                dtensors.append(a)
+                key.append(a._spec)
+                local_args.append(a._local_tensor)
+                continue
+            local_args.append(a)
+            if isinstance(a, (list, tuple)):
+                n = len(dtensors)
+                key.append(_seq_key(a, dtensors, by_type))
+                if len(dtensors) != n:
+                    flat = False
+            elif isinstance(a, torch.Tensor):
+                if a.ndim:
+                    raise _MixedTensorError
+                key.append((a.dtype, a.device))
+            elif type(a) is float:
+                key.append(float if by_type else (float, a))
+            elif type(a) is bool:
+                key.append(_TRUE if a else _FALSE)
+            else:
+                key.append(a)
+        if kwargs:
+            for name, v in kwargs.items():
+                key.append(name)
+                n = len(dtensors)
+                key.append(_seq_key((v,), dtensors, by_type))
+                if len(dtensors) != n:
+                    flat = False
+    except _MixedTensorError:
+        return _mixed(info.func, args, kwargs)
+    key_t: tuple[Any, ...] | None = tuple(key)
+    try:
+        plan = info.plans.get(key_t)
+    except TypeError:  # an unhashable argument: plan without caching
+        key_t = None
+        plan = None
+    if plan is None:
+        plan = _make_plan(info, args, kwargs, dtensors)
+        if key_t is not None:
+            if len(info.plans) >= _MAX_PLANS_PER_OP:
+                info.plans.clear()
+            info.plans[key_t] = plan
+    if plan.fallback:
+        return _run_fallback(info, plan, args, kwargs, dtensors)
+
+    if plan.moves:
+        locals_ = [dt._local_tensor for dt in dtensors]
+        for i, target in plan.moves:
+            dt = dtensors[i]
+            locals_[i] = redistribute_local(locals_[i], dt._spec, target)
+        for i in plan.mutated:
+            moved = plan.moved_specs[i]
+            if moved is not None:  # the op writes a tensor whose layout changes first
+                dt = dtensors[i]
+                dt._local_tensor = locals_[i]
+                dt._spec = moved
+        local_args_t, local_kwargs = _swap_all(args, kwargs, locals_)
+    elif flat:
+        local_args_t, local_kwargs = tuple(local_args), kwargs
+    else:
+        local_args_t, local_kwargs = _swap_all(args, kwargs, [dt._local_tensor for dt in dtensors])
+    if plan.rewrite is not None:
+        local_args_t, local_kwargs = plan.rewrite(local_args_t, local_kwargs, plan.out_local_shapes)
+    out = plan.fn(*local_args_t, **local_kwargs)
+    single = plan.single
+    if single is not None:
+        return DTensor(out, single)
+    if plan.result == _WRAP:
+        return _wrap(out, iter(plan.out_specs))
+    for i, spec in plan.relabel:
+        dtensors[i]._spec = spec
+    return _aliased_result(plan, out, dtensors)
+
+
+def _aliased_result(plan: _Plan, out: Any, dtensors: list[DTensor]) -> Any:
+    if plan.result == _NOTHING:
+        return out
+    results: list[Any] = []
+    for indices in plan.returned:
+        if len(indices) == 1:
+            results.append(dtensors[indices[0]])
+        else:
+            results.append([dtensors[i] for i in indices])
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+# Ops whose plain-tensor arguments autograd itself creates in backward formulas (e.g.
+# ``index_put(grad, indices, zeros(values.shape))``): they are taken as Replicate.
+_AUTOGRAD_MIXES = {aten.index_put.default}
+
+
+def _mixed(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if _implicit_replication.get() or func in _AUTOGRAD_MIXES:
+        args, kwargs = _promote_plain(args, kwargs)
+        return dispatch(func, args, kwargs)
+    names = [a.name for a in func._schema.arguments]
+    where = "an argument"
+    for i, a in enumerate(args):
+        if _has_plain(a):
+            where = f"argument {i} ({names[i]!r})" if i < len(names) else f"argument {i}"
+            break
+    else:
+        for k, v in kwargs.items():
+            if _has_plain(v):
+                where = f"argument {k!r}"
+                break
+    # RuntimeError, not TypeError: Python operators (``dt + t``) turn a TypeError into
+    # "unsupported operand type(s)", hiding this message.
+    raise RuntimeError(
+        f"{func}: {where} is a plain torch.Tensor while other arguments are DTensors. Wrap it "
+        "with DTensor.from_local(...) or distribute_tensor(...), or run the op under "
+        "hyper_parallel.dtensor.implicit_replication() to treat it as Replicate()"
+    )
+
+
+def _has_plain(v: Any) -> bool:
+    if isinstance(v, DTensor):
+        return False
+    if isinstance(v, torch.Tensor):
+        return v.ndim > 0
+    if isinstance(v, (list, tuple)):
+        return any(_has_plain(e) for e in v)
+    return False
+
+
+def _promote_plain(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Wrap plain (non-scalar) tensors as Replicate DTensors on the mesh of the first DTensor."""
     mesh: DeviceMesh | None = None
 
@@ -235,10 +547,8 @@ def _promote_plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple
         if isinstance(v, DTensor):
             return v
         if isinstance(v, torch.Tensor) and v.ndim > 0:
-            from hyper_parallel.dtensor._api import contiguous_strides
-
             meta = TensorMeta(v.shape, contiguous_strides(v.shape), v.dtype)
-            return DTensor(v, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta))  # type: ignore[arg-type]
+            return DTensor(v, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta))  # type: ignore[union-attr]
         if isinstance(v, (list, tuple)):
             return type(v)(wrap(e) for e in v)
         return v
@@ -246,49 +556,7 @@ def _promote_plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple
     return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
 
-def dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
-    special = _SPECIALS.get(func)
-    if special is not None:
-        return special(func, args, kwargs)
-    return dispatch_by_rules(func, args, kwargs)
-
-
-def dispatch_by_rules(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Run ``func`` through its sharding rule (or the fallback), bypassing special handlers."""
-    specs: list[DTensorSpec] = []
-    dtensors: list[DTensor] = []
-    try:
-        key = (
-            func,
-            tuple(_key_of(a, specs, dtensors, func, f"argument {i}") for i, a in enumerate(args)),
-            tuple((k, _key_of(v, specs, dtensors, func, f"argument {k!r}")) for k, v in kwargs.items()),
-        )
-    except _MixedTensorError as exc:
-        if _implicit_replication.get():
-            args, kwargs = _promote_plain(args, kwargs)
-            return dispatch(func, args, kwargs)
-        raise TypeError(
-            f"{func}: {exc} is a plain torch.Tensor while other arguments are DTensors. Wrap it "
-            "with DTensor.from_local(...) or distribute_tensor(...), or run the op under "
-            "hyper_parallel.dtensor.implicit_replication() to treat it as Replicate()"
-        ) from None
-    try:
-        plan = _plans.get(key)
-    except TypeError:  # an unhashable argument: plan without caching
-        key = None
-        plan = None
-    if plan is None:
-        plan = _make_plan(func, args, kwargs, specs)
-        if key is not None:
-            if len(_plans) >= _MAX_CACHE:
-                _plans.clear()
-            _plans[key] = plan
-    if plan.fallback:
-        return _run_fallback(func, args, kwargs, dtensors, plan)
-    return _run_plan(func, args, kwargs, dtensors, plan)
+# -- deriving a plan ---------------------------------------------------------------------
 
 
 def _meta_like(spec: DTensorSpec) -> torch.Tensor:
@@ -299,12 +567,17 @@ def _meta_like(spec: DTensorSpec) -> torch.Tensor:
 def _swap(value: Any, it: Iterator[Any]) -> Any:
     if isinstance(value, DTensor):
         return next(it)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (DTensor, list, tuple)) for v in value):
+    if isinstance(value, (list, tuple)) and any(
+        isinstance(v, (DTensor, list, tuple)) for v in value
+    ):
         return type(value)(_swap(v, it) for v in value)
     return value
 
 
-def _swap_all(args: tuple[Any, ...], kwargs: dict[str, Any], replacements: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _swap_all(
+    args: tuple[Any, ...], kwargs: dict[str, Any], replacements: Sequence[Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with each DTensor replaced, in order, by ``replacements``."""
     it = iter(replacements)
     new_args = tuple(_swap(a, it) for a in args)
     new_kwargs = {k: _swap(v, it) for k, v in kwargs.items()}
@@ -320,25 +593,76 @@ def _flatten_outputs(out: Any) -> list[Any]:
     return [out]
 
 
-def _is_inplace(func: torch._ops.OpOverload) -> bool:
-    schema = func._schema
-    if not schema.arguments:
-        return False
-    first = schema.arguments[0].alias_info
-    return bool(first is not None and first.is_write) and func._schema.name.endswith("_")
+def _count_dtensors(value: Any) -> int:
+    if isinstance(value, DTensor):
+        return 1
+    if isinstance(value, (list, tuple)):
+        return sum(_count_dtensors(v) for v in value)
+    return 0
+
+
+def _dtensor_indices_by_argument(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """Schema argument name -> indices (in dispatch order) of the DTensors it holds."""
+    names = [a.name for a in func._schema.arguments]
+    result: dict[str, tuple[int, ...]] = {}
+    start = 0
+    for i, a in enumerate(args):
+        n = _count_dtensors(a)
+        if i < len(names):
+            result[names[i]] = tuple(range(start, start + n))
+        start += n
+    for k, v in kwargs.items():
+        n = _count_dtensors(v)
+        result[k] = tuple(range(start, start + n))
+        start += n
+    return result
+
+
+def _fallback_plan(
+    info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str
+) -> _Plan:
+    plan = _Plan(fallback=True, fn=info.func, reason=reason)
+    _fill_mutation(plan, info, args, kwargs)
+    return plan
+
+
+def _fill_mutation(
+    plan: _Plan, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Which DTensors the op writes, and which of them it returns."""
+    if not info.written:
+        return
+    by_arg = _dtensor_indices_by_argument(info.func, args, kwargs)
+    mutated: list[int] = []
+    for name in info.written:
+        mutated.extend(by_arg.get(name, ()))
+    plan.mutated = tuple(mutated)
+    if not info.return_aliases:
+        plan.result = _NOTHING
+    elif all(name is not None for name in info.return_aliases):
+        plan.result = _ALIASES
+        plan.returned = tuple(by_arg.get(name or "", ()) for name in info.return_aliases)
+        if any(not r for r in plan.returned):  # a written argument is a plain tensor
+            plan.result = _WRAP
 
 
 def _make_plan(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DTensorSpec]
+    info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], dtensors: list[DTensor]
 ) -> _Plan:
-    rule = rule_for(func)
-    inplace = _is_inplace(func)
+    _derivations[0] += 1
+    func = info.func
+    rule = info.rule
     if rule is None:
-        return _Plan([], [], None, None, inplace, True)
+        return _fallback_plan(info, args, kwargs, "it has no sharding rule")
+    specs = [dt._spec for dt in dtensors]
     mesh = specs[0].mesh
     for s in specs[1:]:
         if s.mesh != mesh:
-            raise ValueError(f"{func}: DTensor arguments live on different meshes: {mesh} and {s.mesh}")
+            raise ValueError(
+                f"{func}: DTensor arguments live on different meshes: {mesh} and {s.mesh}"
+            )
     meta_args, meta_kwargs = _swap_all(args, kwargs, [_meta_like(s) for s in specs])
     if "device" in meta_kwargs:
         meta_kwargs["device"] = torch.device("meta")
@@ -346,62 +670,86 @@ def _make_plan(
         meta_kwargs["pin_memory"] = False
     try:
         meta_out = func(*meta_args, **meta_kwargs)
-    except (NotImplementedError, RuntimeError):
-        return _Plan([], [], None, None, inplace, True)
+    except (NotImplementedError, RuntimeError) as exc:
+        return _fallback_plan(info, args, kwargs, f"its meta computation failed ({exc})")
     out_flat = _flatten_outputs(meta_out)
     out_metas: list[TensorMeta | None] = [
-        TensorMeta(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else None for o in out_flat
+        TensorMeta(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else None
+        for o in out_flat
     ]
     spec_args, spec_kwargs = _swap_all(args, kwargs, specs)
     call = OpCall(func, spec_args, spec_kwargs, specs, mesh, out_metas)
-    decision = rule(call)
-    if decision is None:  # the rule declines: this call falls back
-        return _Plan([], [], None, None, inplace, True)
+    try:
+        decision = rule(call)
+    except Exception as exc:  # a rule that cannot handle this call: stay correct
+        return _fallback_plan(
+            info, args, kwargs, f"its sharding rule failed ({type(exc).__name__}: {exc})"
+        )
+    if decision is None:
+        return _fallback_plan(info, args, kwargs, "its sharding rule declined this call")
+    problem = _check_decision(decision, specs, out_metas)
+    if problem:
+        return _fallback_plan(info, args, kwargs, f"its sharding rule gave {problem}")
+
+    plan = _Plan(fallback=False, fn=decision.local_fn or func._op, rewrite=decision.rewrite)
+    moves: list[tuple[int, Placements]] = []
+    moved_specs: list[DTensorSpec | None] = []
+    for i, (spec, target) in enumerate(zip(specs, decision.inputs, strict=True)):
+        target = tuple(target)
+        if target != spec.placements:
+            moves.append((i, target))
+            moved_specs.append(spec.with_placements(target))
+        else:
+            moved_specs.append(None)
+    plan.moves = tuple(moves)
+    plan.moved_specs = tuple(moved_specs)
+    _fill_mutation(plan, info, args, kwargs)
+
     out_specs: list[DTensorSpec | None] = []
     out_local_shapes: list[tuple[int, ...] | None] = []
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
-    from hyper_parallel.dtensor._spec import local_shape_and_offset
-
-    for meta, placements in zip(out_metas, decision.outputs):
+    for meta, placements in zip(out_metas, decision.outputs, strict=True):
         if meta is None or placements is None:
             out_specs.append(None)
             out_local_shapes.append(None)
         else:
-            out_specs.append(DTensorSpec(mesh, placements, meta))
+            out_specs.append(DTensorSpec(mesh, tuple(placements), meta))
             shape, _ = local_shape_and_offset(meta.shape, mesh.shape, coordinate, placements)
             out_local_shapes.append(shape)
-    return _Plan(
-        list(decision.inputs), out_specs, decision.local_fn, decision.rewrite, inplace, False, out_local_shapes
-    )
+    plan.out_specs = tuple(out_specs)
+    plan.out_local_shapes = out_local_shapes
+    if plan.result == _ALIASES:
+        relabel: list[tuple[int, DTensorSpec]] = []
+        for indices, out_spec in zip(plan.returned, out_specs, strict=False):
+            if len(indices) == 1 and out_spec is not None:
+                i = indices[0]
+                before = moved_specs[i] or specs[i]
+                if out_spec.placements != before.placements:
+                    relabel.append((i, before.with_placements(out_spec.placements)))
+        plan.relabel = tuple(relabel)
+    if plan.result == _WRAP and isinstance(meta_out, torch.Tensor):
+        plan.single = out_specs[0]
+    return plan
 
 
-def _run_plan(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    dtensors: list[DTensor],
-    plan: _Plan,
-) -> Any:
-    locals_: list[torch.Tensor] = []
-    for dt, target in zip(dtensors, plan.targets):
-        spec = dt._spec
-        if spec.placements == target:
-            locals_.append(dt._local_tensor)
-        else:
-            locals_.append(redistribute_local(dt._local_tensor, spec, target))
-    if plan.inplace and locals_ and locals_[0] is not dtensors[0]._local_tensor:
-        # the op mutates a tensor whose layout must change first: the value stays, the layout moves
-        self_dt = dtensors[0]
-        self_dt._local_tensor = locals_[0]
-        self_dt._spec = self_dt._spec.with_placements(plan.targets[0])
-    local_args, local_kwargs = _swap_all(args, kwargs, locals_)
-    if plan.rewrite is not None:
-        local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.out_local_shapes)
-    fn = plan.local_fn or func
-    out = fn(*local_args, **local_kwargs)
-    if plan.inplace:
-        return dtensors[0]
-    return _wrap(out, iter(plan.out_specs))
+def _check_decision(
+    decision: Decision, specs: list[DTensorSpec], out_metas: list[TensorMeta | None]
+) -> str:
+    """What is wrong with a rule's decision ('' when nothing)."""
+    if len(decision.inputs) != len(specs):
+        return f"{len(decision.inputs)} input layouts for {len(specs)} DTensor arguments"
+    if len(decision.outputs) != len(out_metas):
+        return f"{len(decision.outputs)} output layouts for {len(out_metas)} outputs"
+    for spec, target in zip(specs, decision.inputs, strict=True):
+        if len(target) != len(spec.placements):
+            return f"input layout {target} for a {len(spec.placements)}-axis mesh"
+        for src, dst in zip(spec.placements, target, strict=True):
+            if isinstance(dst, Partial) and src != dst:
+                return f"an unreachable input layout {dst!r} (from {src!r})"
+    for meta, placements in zip(out_metas, decision.outputs, strict=True):
+        if meta is not None and placements is None:
+            return "no layout for a tensor output"
+    return ""
 
 
 def _wrap(out: Any, specs: Iterator[DTensorSpec | None]) -> Any:
@@ -416,43 +764,61 @@ def _wrap(out: Any, specs: Iterator[DTensorSpec | None]) -> Any:
     return out
 
 
+# -- the fallback ------------------------------------------------------------------------
+
+
 def _run_fallback(
-    func: torch._ops.OpOverload,
+    info: _OpInfo,
+    plan: _Plan,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dtensors: list[DTensor],
-    plan: _Plan,
 ) -> Any:
+    func = info.func
     name = str(func)
     _fallbacks[name] += 1
     if _fallbacks[name] == 1:
         warnings.warn(
-            f"hyper_parallel.dtensor: {name} has no sharding rule; it ran on full tensors "
-            "(gathered to Replicate) and returned Replicate. Correct, but it communicates and "
+            f"hyper_parallel.dtensor: {name} ran on full tensors (gathered to Replicate) and "
+            f"returned Replicate because {plan.reason}. Correct, but it communicates and "
             "computes the whole tensor on every rank.",
             FallbackWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     if not dtensors:
         return func(*args, **kwargs)
     mesh = dtensors[0]._spec.mesh
+    for dt in dtensors[1:]:
+        if dt._spec.mesh != mesh:
+            raise ValueError(
+                f"{func}: DTensor arguments live on different meshes: {mesh} and {dt._spec.mesh}"
+            )
     replicate = (Replicate(),) * mesh.ndim
     fulls = [redistribute_local(dt._local_tensor, dt._spec, replicate) for dt in dtensors]
     full_args, full_kwargs = _swap_all(args, kwargs, fulls)
     out = func(*full_args, **full_kwargs)
-    if plan.inplace:
-        self_dt = dtensors[0]
-        spec = self_dt._spec
-        if spec.has_partial():
-            self_dt._local_tensor = fulls[0]
-            self_dt._spec = spec.with_placements(replicate)
-        elif not spec.is_replicated():
-            from hyper_parallel.dtensor._api import _local_slice
+    for i in plan.mutated:
+        _write_back(dtensors[i], fulls[i])
+    if plan.result == _WRAP:
+        return _wrap_replicated(out, mesh)
+    return _aliased_result(plan, out, dtensors)
 
-            coordinate = mesh.get_coordinate() or [0] * mesh.ndim
-            self_dt._local_tensor.copy_(_local_slice(fulls[0], mesh, coordinate, spec.placements))
-        return self_dt
-    return _wrap_replicated(out, mesh)
+
+def _write_back(dt: DTensor, full: torch.Tensor) -> None:
+    """Give a DTensor the new value of its full tensor, keeping its layout (Partial: Replicate)."""
+    spec = dt._spec
+    if full is dt._local_tensor:  # replicated: the op wrote its local tensor
+        return
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return
+    if spec.has_partial():
+        placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        dt._local_tensor = _local_slice(full, mesh, coordinate, placements)
+        dt._spec = spec.with_placements(placements)
+    else:
+        dt._local_tensor.copy_(_local_slice(full, mesh, coordinate, spec.placements))
 
 
 def _wrap_replicated(out: Any, mesh: DeviceMesh) -> Any:

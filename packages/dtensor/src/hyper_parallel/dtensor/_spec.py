@@ -83,6 +83,8 @@ class DTensorSpec:
         return any(p.is_partial() for p in self.placements)
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         return (
             isinstance(other, DTensorSpec)
             and self._hash == other._hash

@@ -88,7 +88,11 @@ class DeviceMesh:
         self._rank = rank
         where = (ranks == rank).nonzero()
         self._coordinate = where[0].tolist() if len(where) else None
+        # value identity, computed once: specs hash and compare meshes on every op dispatch
+        self._shape = tuple(int(s) for s in ranks.shape)
         self._groups = dict(groups) if groups is not None else self._create_groups()
+        self._value_key = (device_type, self._shape, tuple(ranks.flatten().tolist()), names)
+        self._value_hash = hash(self._value_key)
 
     def _create_groups(self) -> dict[int, ProcessGroup]:
         """Create every slice group of every axis, in the same order on all ranks."""
@@ -106,12 +110,12 @@ class DeviceMesh:
     @property
     def ndim(self) -> int:
         """Number of mesh axes."""
-        return self.mesh.dim()
+        return len(self._shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Number of ranks along each axis."""
-        return tuple(self.mesh.shape)
+        return self._shape
 
     def axis_index(self, axis: Axis) -> int:
         """Index of ``axis`` given by name or (possibly negative) index.
@@ -240,21 +244,21 @@ class DeviceMesh:
         return sub
 
     # -- value semantics -------------------------------------------------------------
-    def _key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[str, ...] | None]:
-        return (
-            self.device_type,
-            self.shape,
-            tuple(self.mesh.flatten().tolist()),
-            self.mesh_dim_names,
-        )
+    def __deepcopy__(self, memo: dict[int, object]) -> DeviceMesh:
+        return self  # a mesh names process groups, which are shared, never copied
+
+    def __copy__(self) -> DeviceMesh:
+        return self
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         if not isinstance(other, DeviceMesh):
             return NotImplemented
-        return self._key() == other._key()
+        return self._value_hash == other._value_hash and self._value_key == other._value_key
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._value_hash
 
     def __repr__(self) -> str:
         names = "" if self.mesh_dim_names is None else f", mesh_dim_names={self.mesh_dim_names}"

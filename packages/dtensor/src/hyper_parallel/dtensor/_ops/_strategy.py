@@ -17,7 +17,7 @@ Candidate = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
 
 def local_bytes(spec: DTensorSpec) -> float:
     """Approximate bytes of one rank's shard."""
-    numel = math.prod(spec.shape)
+    numel: float = math.prod(spec.shape)
     for axis, p in enumerate(spec.placements):
         if isinstance(p, Shard):
             numel /= spec.mesh.shape[axis]
@@ -64,7 +64,7 @@ def choose(
         best_cost = math.inf
         for cand in candidates_for_axis(axis):
             cost = 0.0
-            for spec, target in zip(call.specs, cand[0]):
+            for spec, target in zip(call.specs, cand[0], strict=True):
                 cost += redistribute_cost(spec, axis, spec.placements[axis], target)
                 if cost >= best_cost:
                     break
@@ -72,8 +72,8 @@ def choose(
                 best, best_cost = cand, cost
         if best is None:
             raise RuntimeError(f"{call.func}: no valid layout on mesh axis {axis}")
-        for i, p in enumerate(best[0]):
-            inputs[i].append(p)
+        for i, placement in enumerate(best[0]):
+            inputs[i].append(placement)
         for j, p in enumerate(best[1]):
             out = outputs[j]
             if out is not None:

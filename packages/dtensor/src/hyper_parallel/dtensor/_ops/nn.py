@@ -1,4 +1,4 @@
-"""Sharding rules of neural-network ops: embedding, layer norm, attention, nll loss, factories."""
+"""Sharding rules of neural-network ops: embedding, layer norm, attention, factories."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import torch
 
 from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
-from hyper_parallel.dtensor._spec import DTensorSpec, local_shape_and_offset
+from hyper_parallel.dtensor._spec import local_shape_and_offset
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -44,10 +43,12 @@ def _embedding_rule(call: OpCall) -> Decision:
 def _masked_embedding(start: int, length: int) -> Any:
     """Look up only the rows this rank holds; others give zeros (summed across ranks later)."""
 
-    def lookup(weight: torch.Tensor, indices: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def lookup(
+        weight: torch.Tensor, indices: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         shifted = indices - start
         outside = (shifted < 0) | (shifted >= length)
-        rows = aten.embedding.default(weight, shifted.masked_fill(outside, 0))
+        rows = torch.nn.functional.embedding(shifted.masked_fill(outside, 0), weight)
         return rows.masked_fill(outside.unsqueeze(-1), 0)
 
     return lookup
@@ -110,19 +111,18 @@ def _layer_norm_backward_rule(call: OpCall) -> Decision:
 
 
 def _attention_rule(call: OpCall) -> Decision:
-    """Fused attention kernels: batch (dim 0) or heads (dim 1) may be sharded, never the sequence."""
+    """Fused attention kernels: batch (dim 0) or heads (dim 1) may be sharded, never the sequence.
+
+    Every 4-D tensor (query, key, value, output, their gradients, a mask) and every
+    3-D one (log-sum-exp) shares the batch and head dims; a size-1 dim of a mask
+    broadcasts and stays replicated. Grouped-query attention keeps its grouping
+    under head sharding when both head counts split evenly over the mesh axis.
+    """
     ref = next(s for s in call.specs if s.ndim == 4)
     mesh = call.mesh
 
-    def in_layout(spec: DTensorSpec, d: int) -> Placement:
-        if spec.ndim > d and spec.ndim >= 3 and spec.shape[d] == ref.shape[d]:
-            return Shard(d)
-        return _R
-
-    def out_layout(meta: Any, d: int) -> Placement | None:
-        if meta is None:
-            return None
-        if len(meta.shape) >= 3 and meta.shape[d] == ref.shape[d]:
+    def layout(shape: tuple[int, ...], d: int) -> Placement:
+        if len(shape) >= 3 and (shape[d] != 1 or ref.shape[d] == 1):
             return Shard(d)
         return _R
 
@@ -130,75 +130,15 @@ def _attention_rule(call: OpCall) -> Decision:
         n = mesh.shape[axis]
         cands: list[Candidate] = []
         for d in (0, 1):
-            sizes = {s.shape[d] for s in call.specs if s.ndim == 4}
+            sizes = {s.shape[d] for s in call.specs if s.ndim == 4 and s.shape[d] != 1}
             if d == 1 and any(size % n for size in sizes):
                 continue  # grouped heads stay aligned only when every head count splits evenly
-            ins = tuple(in_layout(s, d) for s in call.specs)
-            if d == 1 and any(s.ndim == 4 and ins[i] != Shard(1) for i, s in enumerate(call.specs)):
-                continue
-            cands.append((ins, tuple(out_layout(m, d) for m in call.out_metas)))
-        cands.append(((_R,) * len(call.specs), tuple(None if m is None else _R for m in call.out_metas)))
-        return cands
-
-    return choose(call, candidates)
-
-
-# -- negative log likelihood ---------------------------------------------------------------
-
-
-def _nll_forward_rule(call: OpCall) -> Decision:
-    """Batch-sharded nll_loss: partial sums over the global weight total."""
-    x, target = call.specs[0], call.specs[1]
-    reduction = call.args[3] if len(call.args) > 3 else call.kwargs.get("reduction", 1)
-    n_in = len(call.specs)
-    if x.ndim != 2:
-        return None  # type: ignore[return-value]
-
-    def candidates(axis: int) -> list[Candidate]:
-        cands: list[Candidate] = []
-        if reduction == 0:
-            cands.append(((Shard(0), Shard(0)) + (_R,) * (n_in - 2), (Shard(0), _R)))
-        else:
-            cands.append(((Shard(0), Shard(0)) + (_R,) * (n_in - 2), (_P, _P)))
-        cands.append(((_R,) * n_in, (_R, _R)))
-        return cands
-
-    decision = choose(call, candidates)
-    del target
-    sum_axes = [a for a, p in enumerate(decision.inputs[0]) if isinstance(p, Shard)]
-    if sum_axes and reduction == 1:
-        groups = [call.mesh.get_group(a) for a in sum_axes]
-        decision.local_fn = _nll_mean_over_global_total(groups)
-    return decision
-
-
-def _nll_mean_over_global_total(groups: list[Any]) -> Any:
-    platform = get_platform()
-
-    def nll(x: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        total, local_weight = aten.nll_loss_forward.default(x, target, weight, 2, ignore_index)
-        global_weight = local_weight
-        for g in groups:
-            global_weight = platform.all_reduce(global_weight, g, "sum")
-        return total / global_weight, local_weight
-
-    return nll
-
-
-def _nll_backward_rule(call: OpCall) -> Decision:
-    # specs: grad_output, self, target, [weight], total_weight
-    x = call.specs[1]
-    n_in = len(call.specs)
-    if x.ndim != 2:
-        return None  # type: ignore[return-value]
-    reduction = call.args[4]
-
-    def candidates(axis: int) -> list[Candidate]:
-        grad_layout: Placement = Shard(0) if reduction == 0 else _R
-        cands: list[Candidate] = [
-            ((grad_layout, Shard(0), Shard(0)) + (_R,) * (n_in - 3), (Shard(0),)),
-            ((_R,) * n_in, (_R,)),
-        ]
+            ins = tuple(layout(s.shape, d) for s in call.specs)
+            outs = tuple(None if m is None else layout(m.shape, d) for m in call.out_metas)
+            cands.append((ins, outs))
+        cands.append(
+            ((_R,) * len(call.specs), tuple(None if m is None else _R for m in call.out_metas))
+        )
         return cands
 
     return choose(call, candidates)
@@ -226,7 +166,9 @@ def _new_factory_rule(call: OpCall) -> Decision:
     keeps = call.func.overloadpacket in (aten.new_empty, aten.new_zeros, aten.new_empty_strided)
     placements: tuple[Placement, ...]
     if size == spec.shape:
-        placements = tuple(_R if isinstance(p, Partial) and not keeps else p for p in spec.placements)
+        placements = tuple(
+            _R if isinstance(p, Partial) and not keeps else p for p in spec.placements
+        )
     else:
         placements = (_R,) * call.mesh.ndim
     decision = Decision([spec.placements], [placements])
@@ -264,8 +206,6 @@ register_rule(
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_cudnn_attention_backward.default,
 )(_attention_rule)
-register_rule(aten.nll_loss_forward.default)(_nll_forward_rule)
-register_rule(aten.nll_loss_backward.default)(_nll_backward_rule)
 register_rule(
     aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default
 )(_like_rule)

@@ -43,10 +43,7 @@ def aligned_dim(spec: DTensorSpec, out_shape: tuple[int, ...], out_dim: int) -> 
 
 def _has_scalar_addend(call: OpCall) -> bool:
     """True when a non-DTensor number or 0-dim tensor takes part in an add/sub."""
-    for a in call.args[:2]:
-        if not isinstance(a, DTensorSpec):
-            return True
-    return False
+    return any(not isinstance(a, DTensorSpec) for a in call.args[:2])
 
 
 def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
@@ -66,6 +63,9 @@ def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
     packet = call.func.overloadpacket
     current = [s.placements[axis] for s in specs]
     partials = {p for p in current if isinstance(p, Partial) and p.reduce_op in ("sum", "avg")}
+    out_dtype = out_meta.dtype
+    if not (out_dtype.is_floating_point or out_dtype.is_complex):
+        partials = set()  # a cast to an integer type (or a comparison) does not commute with sums
     for p in partials:
         if packet in _LINEAR_UNARY and len(specs) == 1:
             cands.append(((p,), (p,) * n_out))

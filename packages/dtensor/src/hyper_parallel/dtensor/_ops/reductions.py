@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
-from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
@@ -35,7 +34,14 @@ _PARTIAL_OF: dict[Any, str | None] = {
     aten.all: "min",
 }
 # which input Partials pass through unchanged
-_KEEPS_PARTIAL = {aten.sum: ("sum", "avg"), aten.mean: ("sum", "avg"), aten.amax: ("max",), aten.amin: ("min",), aten.max: ("max",), aten.min: ("min",)}
+_KEEPS_PARTIAL = {
+    aten.sum: ("sum", "avg"),
+    aten.mean: ("sum", "avg"),
+    aten.amax: ("max",),
+    aten.amin: ("min",),
+    aten.max: ("max",),
+    aten.min: ("min",),
+}
 
 
 def _reduced_dims(call: OpCall, ndim: int) -> tuple[list[int], bool]:
@@ -65,9 +71,10 @@ def _reduction_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     packet = call.func.overloadpacket
     reduced, keepdim = _reduced_dims(call, spec.ndim)
-    partial_op = _PARTIAL_OF.get(packet)
-    keeps = _KEEPS_PARTIAL.get(packet, ())
     n_out = len(call.out_metas)
+    with_indices = n_out > 1  # max.dim / min.dim: an index needs the whole reduced dim
+    partial_op = None if with_indices else _PARTIAL_OF.get(packet)
+    keeps = () if with_indices else _KEEPS_PARTIAL.get(packet, ())
     ins: list[Placement] = []
     outs: list[Placement] = []
     sharded_reduced = False
@@ -95,24 +102,35 @@ def _reduction_rule(call: OpCall) -> Decision:
             ins.append(p)
             outs.append(p)
     decision = Decision([tuple(ins)], [tuple(outs)] * n_out)
-    if packet in (aten.max, aten.min) and n_out > 1:
-        # values and indices of max.dim: the index needs the whole reduced dim
-        if sharded_reduced:
-            ins2 = tuple(_R if isinstance(p, Shard) and p.dim in reduced else p for p in spec.placements)
-            return _reduction_rule_with(call, ins2, reduced, keepdim)
-    if packet is aten.mean and sharded_reduced:
+    if sharded_reduced and packet is aten.mean:
         count = math.prod(spec.shape[d] for d in reduced)
         decision.local_fn = _mean_as_sum(count)
+    elif sharded_reduced and partial_op in ("max", "min"):
+        decision.local_fn = _extreme_of_maybe_empty(call.func, partial_op, reduced, keepdim)
     return decision
 
 
-def _reduction_rule_with(
-    call: OpCall, ins: tuple[Placement, ...], reduced: list[int], keepdim: bool
-) -> Decision:
-    outs = tuple(
-        Shard(_out_dim(p.dim, reduced, keepdim)) if isinstance(p, Shard) else p for p in ins
-    )
-    return Decision([ins], [outs] * len(call.out_metas))
+def _extreme_of_maybe_empty(func: Any, op: str, reduced: list[int], keepdim: bool) -> Any:
+    """amax/amin/max/min whose local shard may be empty (uneven shards): an empty shard gives
+    the identity of the reduction (-inf for max), which never wins the all-reduce."""
+
+    def local(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if x.numel():
+            return func(x, *args, **kwargs)  # type: ignore[no-any-return]
+        identity: float | int | bool
+        if x.dtype.is_floating_point:
+            identity = float("-inf") if op == "max" else float("inf")
+        elif x.dtype == torch.bool:
+            identity = op == "min"
+        else:
+            info = torch.iinfo(x.dtype)
+            identity = info.min if op == "max" else info.max
+        shape = [1 if d in reduced else size for d, size in enumerate(x.shape)]
+        if not keepdim:
+            shape = [size for d, size in enumerate(shape) if d not in reduced]
+        return x.new_full(shape, identity)
+
+    return local
 
 
 def _mean_as_sum(count: int) -> Any:
@@ -137,8 +155,10 @@ def _norm_rule(call: OpCall) -> Decision:
     dim = args[2] if len(args) > 2 else call.kwargs.get("dim", None)
     keepdim = args[3] if len(args) > 3 else call.kwargs.get("keepdim", False)
     ndim = spec.ndim
-    reduced = list(range(ndim)) if dim is None or dim == [] else sorted(
-        {d + ndim if d < 0 else d for d in ([dim] if isinstance(dim, int) else dim)}
+    reduced = (
+        list(range(ndim))
+        if dim is None or dim == []
+        else sorted({d + ndim if d < 0 else d for d in ([dim] if isinstance(dim, int) else dim)})
     )
     ins: list[Placement] = []
     outs: list[Placement] = []
@@ -178,7 +198,11 @@ def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
         dims = dim if dim is not None else ()
         if math.isinf(ord_):
             # max |x|; an empty shard contributes 0, which never beats a real |x|
-            part = xs.abs().amax(dim=dims, keepdim=keepdim) if xs.numel() else xs.abs().sum(dim=dims, keepdim=keepdim)
+            part = (
+                xs.abs().amax(dim=dims, keepdim=keepdim)
+                if xs.numel()
+                else xs.abs().sum(dim=dims, keepdim=keepdim)
+            )
             for g in groups:
                 part = platform.all_reduce(part, g, "max")
             return part
@@ -190,26 +214,102 @@ def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
     return local_norm
 
 
-def _softmax_dim(call: OpCall) -> int:
-    dim = call.args[1]
-    ndim = call.specs[0].ndim
-    return dim + ndim if dim < 0 else dim
-
-
 def _softmax_rule(call: OpCall) -> Decision:
-    """softmax / log_softmax (and their backwards): any dim but the softmax dim may be sharded."""
-    dim = _softmax_dim(call)
+    """softmax / log_softmax and their backwards, over any layout.
+
+    Dims other than the softmax dim shard freely. A shard of the softmax dim stays
+    sharded: the kernel all-reduces the row max and the sum of exponentials (forward)
+    or the row sum of the gradient (backward) across the axes that split it, so a
+    vocab-sharded output projection never gathers its logits (loss parallel).
+    """
+    backward = call.func.overloadpacket in (
+        aten._softmax_backward_data,
+        aten._log_softmax_backward_data,
+    )
+    spec = call.specs[0]
+    ndim = spec.ndim
+    raw_dim = call.args[2] if backward else call.args[1]
+    dim = raw_dim + ndim if raw_dim < 0 else raw_dim
     n_in = len(call.specs)
-    ndim = call.specs[0].ndim
 
     def candidates(axis: int) -> list[Candidate]:
-        cands: list[Candidate] = [
-            ((Shard(d),) * n_in, (Shard(d),)) for d in range(ndim) if d != dim
-        ]
+        cands: list[Candidate] = [((Shard(d),) * n_in, (Shard(d),)) for d in range(ndim)]
         cands.append(((_R,) * n_in, (_R,)))
         return cands
 
-    return choose(call, candidates)
+    decision = choose(call, candidates)
+    axes = [a for a, p in enumerate(decision.inputs[0]) if isinstance(p, Shard) and p.dim == dim]
+    if axes:
+        groups = [call.mesh.get_group(a) for a in axes]
+        packet = call.func.overloadpacket
+        decision.local_fn = _SHARDED_SOFTMAX[packet](groups)
+    return decision
+
+
+def _all_reduce(t: torch.Tensor, groups: list[Any], op: Any) -> torch.Tensor:
+    platform = get_platform()
+    for g in groups:
+        t = platform.all_reduce(t, g, op)
+    return t
+
+
+def _row_max(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
+    if x.shape[dim] == 0:  # an empty shard: -inf never wins the max
+        shape = list(x.shape)
+        shape[dim] = 1
+        local = x.new_full(shape, float("-inf"))
+    else:
+        local = x.amax(dim, keepdim=True)
+    return _all_reduce(local, groups, "max")
+
+
+def _sharded_log_softmax(groups: list[Any]) -> Any:
+    def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        if half_to_float:
+            x = x.float()
+        shifted = x - _row_max(x, dim, groups)
+        total = _all_reduce(shifted.exp().sum(dim, keepdim=True), groups, "sum")
+        return shifted - total.log()
+
+    return log_softmax
+
+
+def _sharded_softmax(groups: list[Any]) -> Any:
+    def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        if half_to_float:
+            x = x.float()
+        e = (x - _row_max(x, dim, groups)).exp()
+        return e / _all_reduce(e.sum(dim, keepdim=True), groups, "sum")
+
+    return softmax
+
+
+def _sharded_log_softmax_backward(groups: list[Any]) -> Any:
+    def backward(
+        grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
+    ) -> torch.Tensor:
+        total = _all_reduce(grad.sum(dim, keepdim=True), groups, "sum")
+        return (grad - out.exp() * total).to(input_dtype)
+
+    return backward
+
+
+def _sharded_softmax_backward(groups: list[Any]) -> Any:
+    def backward(
+        grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
+    ) -> torch.Tensor:
+        total = _all_reduce((grad * out).sum(dim, keepdim=True), groups, "sum")
+        return (out * (grad - total)).to(input_dtype)
+
+    return backward
+
+
+_SHARDED_SOFTMAX: dict[Any, Callable[[list[Any]], Any]] = {
+    aten._log_softmax: _sharded_log_softmax,
+    aten._softmax: _sharded_softmax,
+    aten._log_softmax_backward_data: _sharded_log_softmax_backward,
+    aten._softmax_backward_data: _sharded_softmax_backward,
+}
 
 
 register_rule(

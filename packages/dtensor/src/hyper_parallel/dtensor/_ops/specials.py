@@ -8,6 +8,8 @@ import torch
 
 from hyper_parallel.dtensor._api import DTensor, _local_slice
 from hyper_parallel.dtensor._dispatch import dispatch_by_rules, register_special
+from hyper_parallel.dtensor._redistribute import redistribute_local
+from hyper_parallel.dtensor.placement_types import Replicate
 
 aten = torch.ops.aten
 
@@ -30,18 +32,32 @@ def _sdp_choice(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """copy_ from a plain tensor of the global shape takes this rank's slice (load_state_dict)."""
     dst, src = args[0], args[1]
-    if isinstance(dst, DTensor) and isinstance(src, torch.Tensor) and not isinstance(src, DTensor):
-        if src.ndim > 0 and tuple(src.shape) == dst._spec.shape:
-            spec = dst._spec
-            mesh = spec.mesh
-            coordinate = mesh.get_coordinate()
-            if coordinate is not None:
-                if spec.has_partial():
-                    raise ValueError(
-                        "copy_: cannot copy a plain tensor into a DTensor with Partial placements "
-                        f"{spec.placements}; redistribute it to Replicate/Shard first"
-                    )
-                piece = _local_slice(src, mesh, coordinate, spec.placements)
-                dst._local_tensor.copy_(piece, *args[2:], **kwargs)
-            return dst
-    return dispatch_by_rules(func, args, kwargs)
+    plain_full = (
+        isinstance(dst, DTensor)
+        and isinstance(src, torch.Tensor)
+        and not isinstance(src, DTensor)
+        and src.ndim > 0
+        and tuple(src.shape) == dst._spec.shape
+    )
+    if not plain_full:
+        return dispatch_by_rules(func, args, kwargs)
+    spec = dst._spec
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is not None:
+        if spec.has_partial():
+            raise ValueError(
+                "copy_: cannot copy a plain tensor into a DTensor with Partial placements "
+                f"{spec.placements}; redistribute it to Replicate/Shard first"
+            )
+        piece = _local_slice(src, mesh, coordinate, spec.placements)
+        dst._local_tensor.copy_(piece, *args[2:], **kwargs)
+    return dst
+
+
+@register_special(aten._local_scalar_dense.default)
+def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``.item()``: the value of the whole (one-element) tensor, the same on every rank."""
+    x: DTensor = args[0]
+    replicate = (Replicate(),) * x._spec.mesh.ndim
+    return func(redistribute_local(x._local_tensor, x._spec, replicate))

@@ -113,11 +113,26 @@ def _local_shape_rewrite(
     return (args[0], list(out_shapes[0] or ()), *args[2:]), kwargs
 
 
+def _local_view(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """``x.view(shape)``, or a copy when the local layout cannot be viewed so.
+
+    The global strides a DTensor reports come from the op on meta tensors; its
+    local shard can be laid out differently (a redistribution returns a fresh
+    contiguous tensor, a kernel's output layout can follow its input's). The
+    values are the same either way.
+    """
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        return x.reshape(shape)
+
+
 def _view_rule(call: OpCall) -> Decision:
     out_meta = call.out_metas[0]
     assert out_meta is not None
     decision = _map_dims(call, _view_dim_map(call.specs[0], out_meta.shape))
     decision.rewrite = _local_shape_rewrite
+    decision.local_fn = _local_view
     return decision
 
 
@@ -127,7 +142,8 @@ def _expand_rule(call: OpCall) -> Decision:
     assert out_meta is not None
     offset = len(out_meta.shape) - spec.ndim
     dim_map: list[int | None] = [
-        d + offset if spec.shape[d] == out_meta.shape[d + offset] else None for d in range(spec.ndim)
+        d + offset if spec.shape[d] == out_meta.shape[d + offset] else None
+        for d in range(spec.ndim)
     ]
     decision = _map_dims(call, dim_map)
     decision.rewrite = _local_shape_rewrite
@@ -166,7 +182,9 @@ def _squeeze_rule(call: OpCall) -> Decision:
     if len(call.args) > 1:
         raw = call.args[1]
         dims = [raw] if isinstance(raw, int) else list(raw)
-        squeezed = {_norm_dim(d, spec.ndim) for d in dims if spec.shape[_norm_dim(d, spec.ndim)] == 1}
+        squeezed = {
+            _norm_dim(d, spec.ndim) for d in dims if spec.shape[_norm_dim(d, spec.ndim)] == 1
+        }
     else:
         squeezed = {d for d in range(spec.ndim) if spec.shape[d] == 1}
     dim_map: list[int | None] = []
@@ -215,18 +233,197 @@ def _select_rule(call: OpCall) -> Decision:
 def _split_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dim = call.args[2] if len(call.args) > 2 else call.kwargs.get("dim", 0)
-    return _keep_unless_dim(call, _norm_dim(dim, spec.ndim), drop=False, out_count=len(call.out_metas))
+    return _keep_unless_dim(
+        call, _norm_dim(dim, spec.ndim), drop=False, out_count=len(call.out_metas)
+    )
 
 
 def _unbind_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
-    return _keep_unless_dim(call, _norm_dim(dim, spec.ndim), drop=True, out_count=len(call.out_metas))
+    return _keep_unless_dim(
+        call, _norm_dim(dim, spec.ndim), drop=True, out_count=len(call.out_metas)
+    )
 
 
 def _index_select_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     return _keep_unless_dim(call, _norm_dim(call.args[1], spec.ndim), drop=False)
+
+
+def _slice_backward_rule(call: OpCall) -> Decision:
+    """slice_backward(grad, input_sizes, dim, ...): zeros around the slice; dims other than
+    ``dim`` keep their shards (with the local input sizes), Partial stays Partial."""
+    spec = call.specs[0]
+    dim = _norm_dim(call.args[2], spec.ndim)
+    decision = _map_dims(call, [None if d == dim else d for d in range(spec.ndim)])
+    decision.rewrite = _local_shape_rewrite
+    return decision
+
+
+def _select_backward_rule(call: OpCall) -> Decision:
+    """select_backward(grad, input_sizes, dim, index): grad dims map around the inserted ``dim``."""
+    spec = call.specs[0]
+    dim = _norm_dim(call.args[2], spec.ndim + 1)
+    decision = _map_dims(call, [d if d < dim else d + 1 for d in range(spec.ndim)])
+    decision.rewrite = _local_shape_rewrite
+    return decision
+
+
+def _index_dims(
+    self_ndim: int, indices: Sequence[Any], out_ndim: int
+) -> tuple[list[int | None], int, int] | None:
+    """For ``self[indices]`` (advanced indexing): where each dim of ``self`` lands in the
+    output (None: indexed), the output dim where the broadcast index dims start, and how
+    many there are. None when an index is not a tensor index (e.g. a boolean mask)."""
+    positions = [i for i, t in enumerate(indices) if t is not None]
+    if not positions:
+        return None
+    for i in positions:
+        if not isinstance(indices[i], DTensorSpec) or indices[i].tensor_meta.dtype in (
+            torch.bool,
+            torch.uint8,
+        ):
+            return None
+    n_index = out_ndim - (self_ndim - len(positions))
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0
+    dim_map: list[int | None] = []
+    for d in range(self_ndim):
+        if d in positions:
+            dim_map.append(None)
+        elif adjacent:
+            dim_map.append(d if d < start else d - len(positions) + n_index)
+        else:
+            dim_map.append(n_index + sum(1 for k in range(d) if k not in positions))
+    return dim_map, start, n_index
+
+
+def _index_rule(call: OpCall) -> Decision | None:
+    """``self[..., idx]``: non-indexed dims of ``self`` keep their shards (indices replicated);
+    a shard of the indices lands on the output's index dims (``self`` replicated)."""
+    spec = call.specs[0]
+    indices = call.args[1]
+    out_meta = call.out_metas[0]
+    assert out_meta is not None
+    found = _index_dims(spec.ndim, indices, len(out_meta.shape))
+    if found is None:
+        return None
+    dim_map, start, n_index = found
+    index_specs = [t for t in indices if t is not None]
+    index_shape = out_meta.shape[start : start + n_index]
+
+    def candidates(axis: int) -> list[Candidate]:
+        n_idx = len(index_specs)
+        cands: list[Candidate] = []
+        for d, o in enumerate(dim_map):
+            if o is not None:
+                cands.append(((Shard(d),) + (_R,) * n_idx, (Shard(o),)))
+        for j in range(n_index):
+            ins: list[Placement] = [_R]
+            for t in index_specs:
+                k = j - (n_index - t.ndim)
+                ins.append(Shard(k) if k >= 0 and t.shape[k] == index_shape[j] else _R)
+            cands.append((tuple(ins), (Shard(start + j),)))
+        p = spec.placements[axis]
+        if isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
+            cands.append(((p,) + (_R,) * n_idx, (p,)))
+        cands.append(((_R,) * (1 + n_idx), (_R,)))
+        return cands
+
+    return choose(call, candidates)
+
+
+def _index_put_rule(call: OpCall) -> Decision | None:
+    """``self[indices] = values`` (or ``+=``): non-indexed dims of ``self`` keep their shards
+    with ``values`` sharded alike; accumulating Partial values into a Partial ``self`` stays
+    Partial."""
+    spec = call.specs[0]
+    indices = call.args[1]
+    has_values = isinstance(call.args[2], DTensorSpec)  # else a 0-dim plain tensor
+    values = call.specs[-1]
+    accumulate = (
+        bool(call.args[3]) if len(call.args) > 3 else bool(call.kwargs.get("accumulate", False))
+    )
+    index_specs = [t for t in indices if t is not None]
+    if not index_specs or any(not isinstance(t, DTensorSpec) for t in index_specs):
+        return None
+    # the shape self[indices] has: the index dims broadcast, placed as in _index_rule
+    index_ndim = max(t.ndim for t in index_specs)
+    result_ndim = spec.ndim - len(index_specs) + index_ndim
+    found = _index_dims(spec.ndim, indices, result_ndim)
+    if found is None:
+        return None
+    dim_map = found[0]
+    n_idx = len(index_specs)
+    n_in = len(call.specs)
+
+    def candidates(axis: int) -> list[Candidate]:
+        cands: list[Candidate] = []
+        for d, o in enumerate(dim_map):
+            if o is None:
+                continue
+            ins: tuple[Placement, ...] = (Shard(d),) + (_R,) * n_idx
+            if has_values:
+                k = o - (result_ndim - values.ndim)
+                ins += (Shard(k) if k >= 0 and values.shape[k] == spec.shape[d] else _R,)
+            cands.append((ins, (Shard(d),)))
+        p = spec.placements[axis]
+        if accumulate and has_values and isinstance(p, Partial) and p.reduce_op == "sum":
+            cands.append(((p,) + (_R,) * n_idx + (p,), (p,)))
+        cands.append(((_R,) * n_in, (_R,)))
+        return cands
+
+    return choose(call, candidates)
+
+
+def _gather_scatter_rule(call: OpCall) -> Decision:
+    """gather / scatter / scatter_add along ``dim``: every other dim may be sharded where all
+    tensors have the same size there; a Partial sum passes through (these ops are linear)."""
+    spec = call.specs[0]
+    dim = _norm_dim(call.args[1], spec.ndim)
+    n_in = len(call.specs)
+    out_meta = call.out_metas[0]
+    assert out_meta is not None
+    # scatter.value writes the same number on every rank: not linear
+    linear = not (call.func.overloadpacket in (aten.scatter, aten.scatter_) and n_in == 2)
+
+    def candidates(axis: int) -> list[Candidate]:
+        cands: list[Candidate] = []
+        for d in range(spec.ndim):
+            if d != dim and all(s.shape[d] == out_meta.shape[d] for s in call.specs):
+                cands.append(((Shard(d),) * n_in, (Shard(d),)))
+        p = spec.placements[axis]
+        if linear and isinstance(p, Partial) and p.reduce_op == "sum":
+            # the index (second DTensor) is replicated; values sum across ranks
+            ins = tuple(_R if k == 1 else p for k in range(n_in))
+            cands.append((ins, (p,)))
+        cands.append(((_R,) * n_in, (_R,)))
+        return cands
+
+    return choose(call, candidates)
+
+
+def _index_add_rule(call: OpCall) -> Decision:
+    """index_add(self, dim, index, source): other dims shard alike (the 1-D index replicated);
+    a Partial sum of ``self`` and ``source`` stays Partial."""
+    spec = call.specs[0]
+    dim = _norm_dim(call.args[1], spec.ndim)
+    source = call.specs[2]
+
+    def candidates(axis: int) -> list[Candidate]:
+        cands: list[Candidate] = [
+            ((Shard(d), _R, Shard(d)), (Shard(d),))
+            for d in range(spec.ndim)
+            if d != dim and source.ndim == spec.ndim and source.shape[d] == spec.shape[d]
+        ]
+        p = spec.placements[axis]
+        if isinstance(p, Partial) and p.reduce_op == "sum":
+            cands.append(((p, _R, p), (p,)))
+        cands.append(((_R, _R, _R), (_R,)))
+        return cands
+
+    return choose(call, candidates)
 
 
 def _cat_rule(call: OpCall) -> Decision:
@@ -245,7 +442,9 @@ def _cat_rule(call: OpCall) -> Decision:
                 continue
             out_d = d + 1 if stack and d >= dim else d
             cands.append(((Shard(d),) * n, (Shard(out_d),)))
-        partials = {s.placements[axis] for s in call.specs if isinstance(s.placements[axis], Partial)}
+        partials = {
+            s.placements[axis] for s in call.specs if isinstance(s.placements[axis], Partial)
+        }
         for p in partials:
             cands.append(((p,) * n, (p,)))
         cands.append(((_R,) * n, (_R,)))
@@ -268,3 +467,19 @@ register_rule(aten.split.Tensor, aten.split_with_sizes.default)(_split_rule)
 register_rule(aten.unbind.int)(_unbind_rule)
 register_rule(aten.index_select.default)(_index_select_rule)
 register_rule(aten.cat.default, aten.stack.default)(_cat_rule)
+register_rule(aten.slice_backward.default)(_slice_backward_rule)
+register_rule(aten.select_backward.default)(_select_backward_rule)
+register_rule(aten.index.Tensor)(_index_rule)
+register_rule(aten.index_add.default, aten.index_add_.default)(_index_add_rule)
+register_rule(
+    aten.gather.default,
+    aten.scatter.src,
+    aten.scatter.value,
+    aten.scatter_.src,
+    aten.scatter_.value,
+    aten.scatter_add.default,
+    aten.scatter_add_.default,
+)(_gather_scatter_rule)
+register_rule(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)(
+    _index_put_rule
+)
