@@ -66,11 +66,14 @@ class TransformerBlock(Module):
                 ...                               max_seq_len=8).feed_forward.hidden_dim
                 32
             """
-            norm = (
-                RMSNorm.Config.sequence_parallel(dim, eps=norm_eps)
-                if sequence_parallel
-                else RMSNorm.Config(dim=dim, eps=norm_eps)
-            )
+            if local_map:
+                norm = RMSNorm.Config.local_map(
+                    dim, eps=norm_eps, sequence_parallel=sequence_parallel
+                )
+            elif sequence_parallel:
+                norm = RMSNorm.Config.sequence_parallel(dim, eps=norm_eps)
+            else:
+                norm = RMSNorm.Config(dim=dim, eps=norm_eps)
             return cls(
                 attention=Attention.Config.tensor_parallel(
                     local_map=local_map,

@@ -9,13 +9,27 @@ import torch.nn.functional as F
 
 from hyper_parallel.dmodule.layers._common import replicated, sequence_sharded
 from hyper_parallel.dmodule.module import Module
-from hyper_parallel.dmodule.sharding import ShardingConfig
+from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-def _norm_sharding(states: tuple[str, ...], sequence_parallel: bool) -> ShardingConfig:
-    """Weights replicated; with ``sequence_parallel`` the input and output stay sequence shards."""
+def _norm_sharding(
+    states: tuple[str, ...], sequence_parallel: bool, *, local_map: bool = False
+) -> ShardingConfig:
+    """Weights replicated; with ``sequence_parallel`` the input and output stay sequence shards.
+
+    ``local_map``: the norm runs on the plain replicated tensors (a handful of
+    element-wise ops that need no communication, so no per-op dispatch).
+    """
+    if local_map:
+        layout = sequence_sharded() if sequence_parallel else replicated()
+        return ShardingConfig(
+            state_shardings={name: replicated() for name in states},
+            in_dst_shardings={"x": layout},
+            out_src_shardings=layout,
+            local_map=LocalMapConfig(),
+        )
     if not sequence_parallel:
         return ShardingConfig(state_shardings={name: replicated() for name in states})
     return ShardingConfig(
@@ -66,6 +80,20 @@ class RMSNorm(Module):
                 {MeshAxisName.TP: Shard(dim=1)}
             """
             return cls(dim=dim, eps=eps, sharding_config=_norm_sharding(("weight",), True))
+
+        @classmethod
+        def local_map(
+            cls, dim: int, *, eps: float = 1e-6, sequence_parallel: bool = False
+        ) -> RMSNorm.Config:
+            """The norm on local tensors (``local_map``): no per-op dispatch, same numbers.
+
+            Example::
+
+                >>> RMSNorm.Config.local_map(8).sharding_config.local_map is not None
+                True
+            """
+            sharding = _norm_sharding(("weight",), sequence_parallel, local_map=True)
+            return cls(dim=dim, eps=eps, sharding_config=sharding)
 
     def __init__(self, config: RMSNorm.Config) -> None:
         super().__init__()
