@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
 from bench.common.harness import TPContext
 from bench.common.llama import LlamaConfig
+
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dtensor import DTensor, init_device_mesh
 
@@ -53,7 +53,9 @@ class ReferenceLlamaStep:
         model.init_states()
         missing, unexpected = model.load_state_dict(dict(full_weights), strict=False)
         if unexpected or [m for m in missing if "rope" not in m]:
-            raise ValueError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"weights do not match the model: missing {missing}, unexpected {unexpected}"
+            )
         self.model = model
         self.params = dict(model.named_parameters())
 
