@@ -33,7 +33,6 @@ from hyper_parallel.dtensor._planning import (
     _aliased_result,
     _make_plan,
     _op_info,
-    _OpInfo,
     _swap_all,
     _wrap,
     clear_plan_cache,
@@ -121,19 +120,6 @@ def _seq_key(value: Sequence[Any], dtensors: list[DTensor], floats_by_type: bool
     return tuple(parts)
 
 
-def dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
-
-    Example::
-
-        dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})  # what dt + dt runs
-    """
-    info = _OPS.get(id(func)) or _op_info(func)
-    if info.special is not None:
-        return info.special(func, args, kwargs)
-    return _dispatch(info, args, kwargs)
-
-
 def dispatch_by_rules(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -143,24 +129,43 @@ def dispatch_by_rules(
 
         dispatch_by_rules(torch.ops.aten.copy_.default, (dst, src), {})
     """
-    return _dispatch(_OPS.get(id(func)) or _op_info(func), args, kwargs)
+    return dispatch(func, args, kwargs, _specials=False)
 
 
-def _dispatch(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def dispatch(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    _specials: bool = True,
+) -> Any:
+    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
+
+    This is the hot path of every op: one function, no per-call derivation.
+
+    Example::
+
+        dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})  # what dt + dt runs
+    """
+    info = _OPS.get(id(func)) or _op_info(func)
+    if _specials and info.special is not None:
+        return info.special(func, args, kwargs)
     dtensors: list[DTensor] = []
     key: list[Any] = []
-    local_args: list[Any] = []
-    flat = True  # no DTensor inside a list or in kwargs: local_args is the local call
+    flat_locals: list[Any] = []
+    flat = True  # no DTensor inside a list or in kwargs: flat_locals is the local call
     by_type = info.floats_by_type
     try:
         for a in args:
             if isinstance(a, DTensor):
                 dtensors.append(a)
                 key.append(a._spec)
-                local_args.append(a._local_tensor)
+                flat_locals.append(a._local_tensor)
                 continue
-            local_args.append(a)
-            if isinstance(a, (list, tuple)):
+            flat_locals.append(a)
+            if type(a) is list and a and type(a[0]) is int:  # int[] (schema lists are homogeneous)
+                key.append(tuple(a))
+            elif isinstance(a, (list, tuple)):
                 n = len(dtensors)
                 key.append(_seq_key(a, dtensors, by_type))
                 if len(dtensors) != n:
@@ -183,7 +188,7 @@ def _dispatch(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 if len(dtensors) != n:
                     flat = False
     except _MixedTensorError:
-        return _mixed(info.func, args, kwargs)
+        return _mixed(func, args, kwargs)
     key_t: tuple[Any, ...] | None = tuple(key)
     try:
         plan = info.plans.get(key_t)
@@ -199,6 +204,8 @@ def _dispatch(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     if plan.fallback:
         return _run_fallback(info, plan, args, kwargs, dtensors)
 
+    local_args: Sequence[Any]
+    local_kwargs: dict[str, Any]
     if plan.moves:
         locals_ = [dt._local_tensor for dt in dtensors]
         for i, target in plan.moves:
@@ -210,14 +217,14 @@ def _dispatch(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 dt = dtensors[i]
                 dt._local_tensor = locals_[i]
                 dt._spec = moved
-        local_args_t, local_kwargs = _swap_all(args, kwargs, locals_)
+        local_args, local_kwargs = _swap_all(args, kwargs, locals_)
     elif flat:
-        local_args_t, local_kwargs = tuple(local_args), kwargs
+        local_args, local_kwargs = flat_locals, kwargs
     else:
-        local_args_t, local_kwargs = _swap_all(args, kwargs, [dt._local_tensor for dt in dtensors])
+        local_args, local_kwargs = _swap_all(args, kwargs, [dt._local_tensor for dt in dtensors])
     if plan.rewrite is not None:
-        local_args_t, local_kwargs = plan.rewrite(local_args_t, local_kwargs, plan.out_local_shapes)
-    out = plan.fn(*local_args_t, **local_kwargs)
+        local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.out_local_shapes)
+    out = plan.fn(*local_args, **local_kwargs)
     single = plan.single
     if single is not None:
         return DTensor(out, single)

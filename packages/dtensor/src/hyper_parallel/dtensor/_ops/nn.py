@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -178,8 +179,8 @@ def _new_factory_rule(call: OpCall) -> Decision:
 
 
 def _local_size_rewrite(
-    args: tuple[Any, ...], kwargs: dict[str, Any], out_shapes: list[tuple[int, ...] | None]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args: Sequence[Any], kwargs: dict[str, Any], out_shapes: list[tuple[int, ...] | None]
+) -> tuple[Sequence[Any], dict[str, Any]]:
     shape = list(out_shapes[0] or ())
     rest = args[2:]
     if len(args) > 2 and isinstance(args[2], (list, tuple)):  # new_empty_strided's stride

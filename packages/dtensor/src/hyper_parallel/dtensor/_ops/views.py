@@ -10,7 +10,7 @@ import torch
 
 from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
-from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds
+from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
@@ -108,31 +108,39 @@ def _view_dim_map(spec: DTensorSpec, out_shape: tuple[int, ...]) -> list[int | N
 
 
 def _local_shape_rewrite(
-    args: tuple[Any, ...], kwargs: dict[str, Any], out_shapes: list[tuple[int, ...] | None]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args: Sequence[Any], kwargs: dict[str, Any], out_shapes: list[tuple[int, ...] | None]
+) -> tuple[Sequence[Any], dict[str, Any]]:
     return (args[0], list(out_shapes[0] or ()), *args[2:]), kwargs
 
 
-def _local_view(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """``x.view(shape)``, or a copy when the local layout cannot be viewed so.
+def _view_to(shape: list[int]) -> Any:
+    """The local op of a view: ``x.view(shape)`` (``shape``: the local shard's, fixed per plan).
 
-    The global strides a DTensor reports come from the op on meta tensors; its
-    local shard can be laid out differently (a redistribution returns a fresh
-    contiguous tensor, a kernel's output layout can follow its input's). The
-    values are the same either way.
+    When the local layout cannot be viewed so, a copy: the global strides a DTensor
+    reports come from the op on meta tensors, and its local shard can be laid out
+    differently (a redistribution returns a fresh contiguous tensor, a kernel's output
+    layout can follow its input's). The values are the same either way.
     """
-    try:
-        return x.view(shape)
-    except RuntimeError:
-        return x.reshape(shape)
+
+    def view(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        try:
+            return x.view(shape)
+        except RuntimeError:
+            return x.reshape(shape)
+
+    return view
 
 
 def _view_rule(call: OpCall) -> Decision:
     out_meta = call.out_metas[0]
     assert out_meta is not None
     decision = _map_dims(call, _view_dim_map(call.specs[0], out_meta.shape))
-    decision.rewrite = _local_shape_rewrite
-    decision.local_fn = _local_view
+    mesh = call.mesh
+    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+    placements = decision.outputs[0]
+    assert placements is not None
+    local, _ = local_shape_and_offset(out_meta.shape, mesh.shape, coordinate, placements)
+    decision.local_fn = _view_to(list(local))
     return decision
 
 
