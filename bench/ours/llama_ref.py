@@ -61,7 +61,8 @@ class ReferenceLlamaStep:
 
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward to the mean cross-entropy loss."""
-        return self.model.loss(tokens, targets)
+        loss: torch.Tensor = self.model.loss(tokens, targets)
+        return loss
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
