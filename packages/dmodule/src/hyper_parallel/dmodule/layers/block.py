@@ -66,12 +66,10 @@ class TransformerBlock(Module):
                 ...                               max_seq_len=8).feed_forward.hidden_dim
                 32
             """
-            if local_map:
-                norm = RMSNorm.Config.local_map(
-                    dim, eps=norm_eps, sequence_parallel=sequence_parallel
-                )
-            elif sequence_parallel:
+            if sequence_parallel:
                 norm = RMSNorm.Config.sequence_parallel(dim, eps=norm_eps)
+            elif local_map:
+                norm = RMSNorm.Config.local_map(dim, eps=norm_eps)
             else:
                 norm = RMSNorm.Config(dim=dim, eps=norm_eps)
             return cls(

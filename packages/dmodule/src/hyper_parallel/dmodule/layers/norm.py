@@ -20,10 +20,17 @@ def _norm_sharding(
     """Weights replicated; with ``sequence_parallel`` the input and output stay sequence shards.
 
     ``local_map``: the norm runs on the plain replicated tensors (a handful of
-    element-wise ops that need no communication, so no per-op dispatch).
+    element-wise ops that need no communication, so no per-op dispatch). Not with
+    ``sequence_parallel``: there each rank's weight gradient is a partial sum over its
+    tokens, which only the DTensor path records.
     """
     if local_map:
-        layout = sequence_sharded() if sequence_parallel else replicated()
+        if sequence_parallel:
+            raise ValueError(
+                "RMSNorm/LayerNorm: local_map needs replicated activations; with "
+                "sequence_parallel the weight gradient is partial, use the DTensor preset"
+            )
+        layout = replicated()
         return ShardingConfig(
             state_shardings={name: replicated() for name in states},
             in_dst_shardings={"x": layout},
@@ -82,17 +89,15 @@ class RMSNorm(Module):
             return cls(dim=dim, eps=eps, sharding_config=_norm_sharding(("weight",), True))
 
         @classmethod
-        def local_map(
-            cls, dim: int, *, eps: float = 1e-6, sequence_parallel: bool = False
-        ) -> RMSNorm.Config:
-            """The norm on local tensors (``local_map``): no per-op dispatch, same numbers.
+        def local_map(cls, dim: int, *, eps: float = 1e-6) -> RMSNorm.Config:
+            """The norm on local (replicated) tensors: no per-op dispatch, same numbers.
 
             Example::
 
                 >>> RMSNorm.Config.local_map(8).sharding_config.local_map is not None
                 True
             """
-            sharding = _norm_sharding(("weight",), sequence_parallel, local_map=True)
+            sharding = _norm_sharding(("weight",), False, local_map=True)
             return cls(dim=dim, eps=eps, sharding_config=sharding)
 
     def __init__(self, config: RMSNorm.Config) -> None:

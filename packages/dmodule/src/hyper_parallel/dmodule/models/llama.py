@@ -121,10 +121,10 @@ class Llama(BaseModel):
         self.tok_embeddings = embedding.build()
         block = config.block()
         self.layers = ModuleList([block.build() for _ in range(config.n_layers)])
-        if config.use_local_map:
-            norm = RMSNorm.Config.local_map(config.dim, eps=config.norm_eps, sequence_parallel=sp)
-        elif sp:
+        if sp:
             norm = RMSNorm.Config.sequence_parallel(config.dim, eps=config.norm_eps)
+        elif config.use_local_map:
+            norm = RMSNorm.Config.local_map(config.dim, eps=config.norm_eps)
         else:
             norm = RMSNorm.Config(dim=config.dim, eps=config.norm_eps)
         self.norm = norm.build()
