@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -25,6 +26,11 @@ __all__ = ["DTensor", "distribute_tensor", "enforce_layout"]
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides of ``shape``."""
+    return _contiguous_strides(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides: list[int] = []
     acc = 1
     for size in reversed(shape):

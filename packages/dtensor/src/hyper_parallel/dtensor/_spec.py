@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -136,6 +137,25 @@ def normalize_placements(
 
     Raises ``ValueError`` naming ``where`` when the count or a shard dim is off.
     """
+    if type(placements) is tuple:
+        # the common case, checked once per (placements, mesh, tensor) shape
+        try:
+            return _normalized(placements, mesh_ndim, tensor_ndim)
+        except (ValueError, TypeError):
+            pass  # re-raised below with the caller's ``where``
+    return _normalize(placements, mesh_ndim, tensor_ndim, where=where)
+
+
+@functools.lru_cache(maxsize=4096)
+def _normalized(
+    placements: tuple[Placement, ...], mesh_ndim: int, tensor_ndim: int
+) -> tuple[Placement, ...]:
+    return _normalize(placements, mesh_ndim, tensor_ndim, where="")
+
+
+def _normalize(
+    placements: Sequence[Placement], mesh_ndim: int, tensor_ndim: int, *, where: str
+) -> tuple[Placement, ...]:
     if isinstance(placements, Placement):
         raise TypeError(
             f"{where}: placements must be a sequence with one Placement per mesh axis, "
