@@ -81,6 +81,9 @@ def test_release_installs_exactly_the_workspace_packages_a_package_needs(
 def test_ci_runs_the_readme_demo_and_test_commands() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    for command in ("uv run --frozen python -m hyper_parallel.dmodule.demo", "uv run --frozen pytest"):
+    for command in (
+        "uv run --frozen python -m hyper_parallel.dmodule.demo",
+        "uv run --frozen pytest",
+    ):
         assert f"python3 -m pip install uv && {command}" in readme, command
         assert command in ci, command
