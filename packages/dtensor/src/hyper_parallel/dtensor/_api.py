@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from hyper_parallel.dtensor import _comm_log
 from hyper_parallel.dtensor._redistribute import check_redistribute_target, redistribute_local
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
@@ -307,6 +308,7 @@ def _global_shape_from_shards(
             continue
         mine = torch.tensor([sizes[p.dim]], dtype=torch.int64, device=local.device)
         gathered = platform.all_gather(mine, mesh.get_group(axis))
+        _comm_log.record("all_gather", mine, mesh.size(axis))
         sizes[p.dim] = int(gathered.sum().item())
     return tuple(sizes)
 
@@ -318,6 +320,7 @@ def _any_rank_in_mesh(flag: bool, mesh: DeviceMesh, device: torch.device) -> boo
     for axis in range(mesh.ndim):
         if mesh.size(axis) > 1:
             value = platform.all_reduce(value, mesh.get_group(axis), "max")
+            _comm_log.record("all_reduce", value, mesh.size(axis))
     return bool(value.item())
 
 
@@ -326,6 +329,7 @@ def _broadcast_replicated(local: torch.Tensor, spec: DTensorSpec) -> torch.Tenso
     for axis, p in enumerate(spec.placements):
         if isinstance(p, Replicate) and spec.mesh.size(axis) > 1:
             local = platform.broadcast(local, spec.mesh.get_group(axis), 0)
+            _comm_log.record("broadcast", local, spec.mesh.size(axis))
     return local
 
 
@@ -556,10 +560,12 @@ def _scatter_from(
                     for k in range(n)
                 ]
             received = platform.scatter(chunks, piece.new_empty(like_shape), group, root)
+            _comm_log.record("scatter", received, n)
             piece = received.narrow(p.dim, 0, bounds[r + 1] - bounds[r]).contiguous()
         else:
             buffer = piece if r == root else piece.new_empty(shape)
             piece = platform.broadcast(buffer, group, root)
+            _comm_log.record("broadcast", piece, n)
     if piece.data_ptr() == full.data_ptr() or piece is full:
         piece = piece.clone()
     return piece

@@ -1,6 +1,6 @@
 """Sharding rules, one module per family of ops; importing this package registers them all."""
 
-from hyper_parallel.dtensor._ops import (  # noqa: F401  (foreach ops, random fills)
+from hyper_parallel.dtensor._ops import (
     foreach,
     losses,
     matrix,
@@ -12,4 +12,14 @@ from hyper_parallel.dtensor._ops import (  # noqa: F401  (foreach ops, random fi
     views,
 )
 
-__all__ = ["losses", "matrix", "nn", "pointwise", "reductions", "specials", "views"]
+__all__ = [
+    "foreach",
+    "losses",
+    "matrix",
+    "nn",
+    "pointwise",
+    "random",
+    "reductions",
+    "specials",
+    "views",
+]

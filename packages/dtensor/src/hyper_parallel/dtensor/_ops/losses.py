@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dtensor import _comm_log
 from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
 from hyper_parallel.dtensor._spec import local_shape_and_offset
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -105,8 +105,6 @@ def _picked(
 
 
 def _nll_forward(start: int, length: int, class_sharded: bool, groups: list[Any]) -> Any:
-    platform = get_platform()
-
     def nll(
         x: torch.Tensor,
         target: torch.Tensor,
@@ -121,9 +119,7 @@ def _nll_forward(start: int, length: int, class_sharded: bool, groups: list[Any]
         total = w.sum()
         loss = losses.sum()
         if reduction == _MEAN:
-            global_total = total
-            for g in groups:
-                global_total = platform.all_reduce(global_total, g, "sum")
+            global_total = _comm_log.all_reduce_over(total, groups, "sum")
             loss = loss / global_total
         return loss, total
 

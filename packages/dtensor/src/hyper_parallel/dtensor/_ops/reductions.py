@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dtensor import _comm_log
 from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -188,8 +188,6 @@ def _norm_rule(call: OpCall) -> Decision:
 
 
 def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
-    platform = get_platform()
-
     def local_norm(
         x: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
     ) -> torch.Tensor:
@@ -203,12 +201,9 @@ def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
                 if xs.numel()
                 else xs.abs().sum(dim=dims, keepdim=keepdim)
             )
-            for g in groups:
-                part = platform.all_reduce(part, g, "max")
-            return part
+            return _comm_log.all_reduce_over(part, groups, "max")
         powered = torch.sum(xs.abs() ** ord_, dim=dims, keepdim=keepdim)
-        for g in groups:
-            powered = platform.all_reduce(powered, g, "sum")
+        powered = _comm_log.all_reduce_over(powered, groups, "sum")
         return powered ** (1.0 / ord_)
 
     return local_norm
@@ -247,10 +242,7 @@ def _softmax_rule(call: OpCall) -> Decision:
 
 
 def _all_reduce(t: torch.Tensor, groups: list[Any], op: Any) -> torch.Tensor:
-    platform = get_platform()
-    for g in groups:
-        t = platform.all_reduce(t, g, op)
-    return t
+    return _comm_log.all_reduce_over(t, groups, op)
 
 
 def _row_max(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
