@@ -315,13 +315,9 @@ def _global_shape_from_shards(
 
 def _any_rank_in_mesh(flag: bool, mesh: DeviceMesh, device: torch.device) -> bool:
     """True on every rank of ``mesh`` when ``flag`` is true on any of them (collective)."""
-    platform = get_platform()
     value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
-    for axis in range(mesh.ndim):
-        if mesh.size(axis) > 1:
-            value = platform.all_reduce(value, mesh.get_group(axis), "max")
-            _comm_log.record("all_reduce", value, mesh.size(axis))
-    return bool(value.item())
+    groups = [mesh.get_group(axis) for axis in range(mesh.ndim) if mesh.size(axis) > 1]
+    return bool(_comm_log.all_reduce_over(value, groups, "max").item())
 
 
 def _broadcast_replicated(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:

@@ -14,29 +14,23 @@ from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-def _norm_sharding(
-    states: tuple[str, ...], sequence_parallel: bool, *, local_map: bool = False
-) -> ShardingConfig:
-    """Weights replicated; with ``sequence_parallel`` the input and output stay sequence shards.
+def _local_norm_sharding(states: tuple[str, ...]) -> ShardingConfig:
+    """Replicated weights and activations, the norm on plain local tensors (``local_map``).
 
-    ``local_map``: the norm runs on the plain replicated tensors (a handful of
-    element-wise ops that need no communication, so no per-op dispatch). Not with
-    ``sequence_parallel``: there each rank's weight gradient is a partial sum over its
-    tokens, which only the DTensor path records.
+    A handful of element-wise ops that need no communication, so no per-op dispatch.
+    Only for replicated activations: with sequence parallelism each rank's weight
+    gradient is a partial sum over its tokens, which only the DTensor path records.
     """
-    if local_map:
-        if sequence_parallel:
-            raise ValueError(
-                "RMSNorm/LayerNorm: local_map needs replicated activations; with "
-                "sequence_parallel the weight gradient is partial, use the DTensor preset"
-            )
-        layout = replicated()
-        return ShardingConfig(
-            state_shardings={name: replicated() for name in states},
-            in_dst_shardings={"x": layout},
-            out_src_shardings=layout,
-            local_map=LocalMapConfig(),
-        )
+    return ShardingConfig(
+        state_shardings={name: replicated() for name in states},
+        in_dst_shardings={"x": replicated()},
+        out_src_shardings=replicated(),
+        local_map=LocalMapConfig(),
+    )
+
+
+def _norm_sharding(states: tuple[str, ...], sequence_parallel: bool) -> ShardingConfig:
+    """Weights replicated; with ``sequence_parallel`` the input and output stay sequence shards."""
     if not sequence_parallel:
         return ShardingConfig(state_shardings={name: replicated() for name in states})
     return ShardingConfig(
@@ -97,7 +91,7 @@ class RMSNorm(Module):
                 >>> RMSNorm.Config.local_map(8).sharding_config.local_map is not None
                 True
             """
-            sharding = _norm_sharding(("weight",), False, local_map=True)
+            sharding = _local_norm_sharding(("weight",))
             return cls(dim=dim, eps=eps, sharding_config=sharding)
 
     def __init__(self, config: RMSNorm.Config) -> None:
