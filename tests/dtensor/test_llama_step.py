@@ -7,9 +7,16 @@ DTensor dispatcher. Placements follow Megatron-LM: wq/wk/wv/w1/w3 column-paralle
 ``Shard(0)``, wo/w2 row-parallel ``Shard(1)``, norms replicated, the embedding
 replicated or vocab-sharded, the output projection ``Shard(0)`` with the loss
 computed on vocab-sharded logits (loss parallel). The oracle is the same step on
-full tensors in the test process: the loss, every gradient, and every parameter
-after one ``torch.optim.AdamW`` step (``foreach=False`` and ``True``) must match,
-and no op of the forward/backward may fall back to the gather-everything path.
+full tensors in the test process: the loss and every gradient must match (to a
+tolerance relative to each tensor's scale), and no op of the forward/backward may
+fall back to the gather-everything path.
+
+The optimizer is checked given identical gradients: the oracle applies one
+``torch.optim.AdamW`` step to the full parameters with the gradients the sharded
+run produced. AdamW's first step moves every element by about ``lr`` whatever the
+size of its gradient, so comparing it after two independent backward passes would
+turn a float reordering in a near-zero gradient (which differs between CPUs) into
+a visible parameter difference.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tests._harness import run_on_ranks, world_sizes
+from tests._tolerance import assert_close_to_scale
 
 from hyper_parallel.dtensor import (
     DTensor,
@@ -172,9 +180,16 @@ def _reference_step(cfg: LlamaShapes) -> StepResult:
     loss = forward_loss(params, batch(cfg), cfg)
     torch.autograd.backward(loss)
     grads = {k: v.grad.clone() for k, v in params.items() if v.grad is not None}
+    return StepResult(loss.detach(), grads, {}, {}, {}, {})
+
+
+def _reference_adamw_given(grads: Mapping[str, torch.Tensor], cfg: LlamaShapes) -> Params:
+    """One AdamW step on the full initial parameters with the given gradients."""
+    params = {k: v.clone().requires_grad_(True) for k, v in init_params(cfg).items()}
+    for k, v in params.items():
+        v.grad = grads[k].clone()
     _adamw(list(params.values()), foreach=False).step()
-    updated = {k: v.detach().clone() for k, v in params.items()}
-    return StepResult(loss.detach(), grads, updated, {}, {}, {})
+    return {k: v.detach() for k, v in params.items()}
 
 
 def _distributed_steps(world_size: int) -> dict[str, StepResult]:
@@ -218,10 +233,6 @@ def _distributed_steps(world_size: int) -> dict[str, StepResult]:
     return results
 
 
-def _assert_close(what: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
-    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
-
-
 @world_sizes(2, 4)
 def test_llama_step_megatron_equals_one_device(world_size: int) -> None:
     want = _reference_step(SHAPES)
@@ -230,12 +241,13 @@ def test_llama_step_megatron_equals_one_device(world_size: int) -> None:
         for variant, got in per_variant.items():
             where = f"rank {rank}, {variant}"
             assert got.fallbacks_fwd_bwd == {}, f"{where}: ops fell back: {got.fallbacks_fwd_bwd}"
-            _assert_close(f"{where}: loss", got.loss, want.loss, 1e-5)
+            assert_close_to_scale(got.loss, want.loss, rel=1e-5, what=f"{where}: loss")
             assert got.grads.keys() == want.grads.keys()
             for k in want.grads:
-                _assert_close(f"{where}: grad of {k}", got.grads[k], want.grads[k], 1e-5)
-            for k in want.updated:
-                _assert_close(f"{where}: {k} after AdamW", got.updated[k], want.updated[k], 1e-5)
+                assert_close_to_scale(got.grads[k], want.grads[k], what=f"{where}: grad of {k}")
+            stepped = _reference_adamw_given(got.grads, SHAPES)
+            for k, v in stepped.items():
+                assert_close_to_scale(got.updated[k], v, rel=1e-6, what=f"{where}: {k} after AdamW")
             placements = megatron_placements(SHAPES, vocab_sharded_embedding="vocab" in variant)
             for k, p in placements.items():
                 if isinstance(p, Shard):  # a sharded weight's gradient stays sharded like it
