@@ -226,11 +226,14 @@ def test_build_keeps_callables_partials_and_placements_as_they_are() -> None:
     assert built.sharding_config.state_shardings is not sharding.state_shardings
 
 
-def test_build_preserves_sharing_within_the_copy() -> None:
+def test_build_copies_a_shared_sub_config_once_per_place_it_appears() -> None:
+    # configs are values: a sub-config used twice builds as two equal, independent configs,
+    # the same as to_dict/from_dict and apply_overrides see it
     shared = Block.Config()
     built = Model.Config(layers=[shared, shared]).build().config
-    assert built.layers[0] is built.layers[1]
-    assert built.layers[0] is not shared
+    assert built.layers[0] == built.layers[1] == shared
+    assert built.layers[0] is not built.layers[1]
+    assert shared not in [*map(id, built.layers)]
 
 
 def test_build_rejects_runtime_kwargs_naming_config_fields() -> None:

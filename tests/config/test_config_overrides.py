@@ -61,7 +61,12 @@ def _holder(annotation: object) -> type[Any]:
 
 
 def _parse(annotation: object, text: str) -> Any:
-    return _holder(annotation)().apply_overrides([f"value={text}"]).value
+    holder = _holder(annotation)
+    # None fits no annotation here; start from an instance made without the constructor's
+    # type check (the override's replace() checks the parsed value)
+    blank = holder.__new__(holder)
+    object.__setattr__(blank, "value", None)
+    return blank.apply_overrides([f"value={text}"]).value
 
 
 # ----------------------------------------------------------------------------- text parsing

@@ -21,13 +21,17 @@ from hyper_parallel.config.configurable import (
     TraverseParent,
     enforce_module_config_slots,
 )
-from hyper_parallel.config.errors import ConfigError
+from hyper_parallel.config.errors import ConfigError, ConfigTypeError, UnboundConfigError
+from hyper_parallel.config.leaf_codec import LeafCodec
 
 __all__ = [
     "ConfigError",
+    "ConfigTypeError",
     "Configurable",
+    "LeafCodec",
     "TraverseKey",
     "TraverseParent",
+    "UnboundConfigError",
     "enforce_module_config_slots",
     "load_config",
     "parse_cli_overrides",

@@ -19,10 +19,18 @@ from hyper_parallel.config._annotations import (
     strip_annotated,
     union_members,
 )
-from hyper_parallel.config.errors import ConfigError, describe, did_you_mean, join_path
+from hyper_parallel.config.errors import (
+    ConfigError,
+    describe,
+    did_you_mean,
+    join_path,
+    relocate,
+)
+from hyper_parallel.config.leaf_codec import LeafCodec, leaf_codec
 
 __all__ = [
     "CALLABLE_TAG",
+    "decode_leaf",
     "MAPPING_ORIGINS",
     "SEQUENCE_ORIGINS",
     "PARTIAL_TAG",
@@ -58,43 +66,125 @@ def class_ref(obj: Any) -> str:
 
 
 def encode(value: object, declared: object, path: str) -> JSONValue:
-    """JSON data for ``value`` declared as ``declared`` at ``path`` (see Config.to_dict)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    """JSON data for ``value`` declared as ``declared`` at ``path`` (see Config.to_dict).
+
+    A value that holds itself (a cycle) is a ``ConfigError`` naming both paths.
+    """
+    return _Encoder().encode(value, declared, path)
+
+
+class _Encoder:
+    """One ``to_dict`` walk: remembers the containers on the current path to find cycles."""
+
+    def __init__(self) -> None:
+        self._active: dict[int, str] = {}
+
+    def encode(self, value: object, declared: object, path: str) -> JSONValue:
+        codec = _codec_for(declared, value)
+        if codec is not None:
+            try:
+                return codec.encode(value)  # type: ignore[no-any-return]
+            except (TypeError, ValueError) as err:
+                raise ConfigError(
+                    f"cannot convert to JSON data ({codec.expected}): {err}", path=path
+                ) from err
+        if isinstance(value, enum.Enum):
+            inner = value.value
+            ok = isinstance(inner, (str, int, float)) and not isinstance(inner, bool)
+            return inner if ok else value.name  # type: ignore[no-any-return]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        is_node = isinstance(value, (list, tuple, dict)) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)
+        )
+        if not is_node:
+            return self._encode_leaf(value, path)
+        seen = self._active.get(id(value))
+        if seen is not None:
+            raise ConfigError(
+                f"cannot convert a cyclic config to JSON data: this value is its own "
+                f"ancestor at {seen or '<root>'!r}",
+                path=path,
+            )
+        self._active[id(value)] = path
+        try:
+            return self._encode_node(value, declared, path)
+        finally:
+            del self._active[id(value)]
+
+    def _encode_node(self, value: object, declared: object, path: str) -> JSONValue:
+        if isinstance(value, (list, tuple, dict)):
+            origins = MAPPING_ORIGINS if isinstance(value, dict) else (*SEQUENCE_ORIGINS, tuple)
+            candidates = _members_of_kind(declared, origins)
+            # A union of several container types (e.g. OutputShardings): the first member
+            # the value encodes under is the one it was meant as.
+            for candidate in candidates[:-1]:
+                try:
+                    return self._encode_container(value, candidate, path)
+                except ConfigError:
+                    continue
+            return self._encode_container(value, candidates[-1], path)
         cls = type(value)
         data: dict[str, JSONValue] = {}
         if _declared_classes(declared) != {cls}:
             data[TYPE_TAG] = class_ref(cls)
         hints = resolved_field_types(cls)
         for name in init_fields(cls):
-            data[name] = encode(getattr(value, name), hints[name], join_path(path, name))
+            data[name] = self.encode(getattr(value, name), hints[name], join_path(path, name))
         return data
-    if isinstance(value, enum.Enum):
-        inner = value.value
-        ok = isinstance(inner, (str, int, float)) and not isinstance(inner, bool)
-        return inner if ok else value.name  # type: ignore[no-any-return]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
+
+    def _encode_container(self, value: object, declared: object, path: str) -> JSONValue:
+        if isinstance(value, dict):
+            _, value_type = mapping_types(declared)
+            out: dict[str, JSONValue] = {}
+            for key, item in value.items():
+                out[_encode_key(key, path)] = self.encode(item, value_type, join_path(path, key))
+            return out
+        assert isinstance(value, (list, tuple))
         return [
-            encode(item, item_type(declared, i), join_path(path, i)) for i, item in enumerate(value)
+            self.encode(item, item_type(declared, i), join_path(path, i))
+            for i, item in enumerate(value)
         ]
-    if isinstance(value, dict):
-        _, value_type = mapping_types(declared)
-        out: dict[str, JSONValue] = {}
-        for key, item in value.items():
-            out[_encode_key(key, path)] = encode(item, value_type, join_path(path, key))
-        return out
-    if isinstance(value, functools.partial):
-        args = [encode(a, Any, join_path(path, f"args.{i}")) for i, a in enumerate(value.args)]
-        kwargs = {k: encode(v, Any, join_path(path, k)) for k, v in value.keywords.items()}
-        return {PARTIAL_TAG: _callable_ref(value.func, path), "args": args, "kwargs": kwargs}
-    if callable(value):
-        return {CALLABLE_TAG: _callable_ref(value, path)}
-    raise ConfigError(
-        f"cannot convert to JSON data: expected a JSON scalar, list, tuple, dict, Enum, "
-        f"dataclass or importable callable, found {describe(value)}",
-        path=path,
-    )
+
+    def _encode_leaf(self, value: object, path: str) -> JSONValue:
+        if isinstance(value, functools.partial):
+            args = [
+                self.encode(a, Any, join_path(path, f"args.{i}")) for i, a in enumerate(value.args)
+            ]
+            kwargs = {k: self.encode(v, Any, join_path(path, k)) for k, v in value.keywords.items()}
+            return {PARTIAL_TAG: _callable_ref(value.func, path), "args": args, "kwargs": kwargs}
+        if callable(value):
+            return {CALLABLE_TAG: _callable_ref(value, path)}
+        raise ConfigError(
+            f"cannot convert to JSON data: expected a JSON scalar, list, tuple, dict, Enum, "
+            f"dataclass, importable callable or a type with a LeafCodec in its annotation, "
+            f"found {describe(value)}",
+            path=path,
+        )
+
+
+def _codec_for(declared: object, value: object) -> LeafCodec | None:
+    """The codec in ``declared`` (or one of its union members) that ``value`` is an instance of."""
+    codec = leaf_codec(declared)
+    if codec is not None:
+        return codec if isinstance(value, codec.type) else None
+    for member in union_members(strip_annotated(declared)) or ():
+        codec = leaf_codec(member)
+        if codec is not None and isinstance(value, codec.type):
+            return codec
+    return None
+
+
+def _members_of_kind(declared: object, origins: tuple[object, ...]) -> list[object]:
+    """The members of ``declared`` (a union or one type) whose container kind is in ``origins``."""
+    declared = strip_annotated(declared)
+    found = [
+        member
+        for member in union_members(declared) or (declared,)
+        if typing.get_origin(strip_annotated(member)) in origins
+        or strip_annotated(member) in origins
+    ]
+    return found or [Any]
 
 
 def _encode_key(key: object, path: str) -> str:
@@ -151,6 +241,9 @@ class Decoder:
 
     def decode(self, data: object, declared: object, path: str) -> Any:
         """``data`` coerced to ``declared``; ConfigError (path, expected, found) when it does not fit."""
+        codec = leaf_codec(declared)
+        if codec is not None:
+            return decode_leaf(codec, data, path)
         ann = strip_annotated(declared)
         if is_any(ann):
             return self._decode_any(data, path)
@@ -287,7 +380,7 @@ class Decoder:
             return cls(**kwargs)
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
-                raise
+                raise relocate(err, path) from err
             raise ConfigError(
                 f"{format_type(cls)}(...) rejected the values: {err}", path=path
             ) from err
@@ -366,6 +459,18 @@ class Decoder:
         if key_type is int and isinstance(key, str) and key.lstrip("-").isdigit():
             return int(key)  # JSON object keys are always strings
         return self.decode(key, key_type, join_path(path, key))
+
+
+def decode_leaf(codec: LeafCodec, data: object, path: str) -> Any:
+    """``codec.decode(data)``, its errors as a ConfigError naming ``path`` and what was expected."""
+    if isinstance(data, codec.type):
+        return data
+    try:
+        return codec.decode(data)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            f"expected {codec.expected}, found {describe(data)} ({err})", path=path
+        ) from err
 
 
 def _find_subclass(base: type, module: str, qualname: str) -> type | None:

@@ -23,11 +23,13 @@ from hyper_parallel.config._codec import (
     MAPPING_ORIGINS,
     SEQUENCE_ORIGINS,
     Decoder,
+    decode_leaf,
     item_type,
     mapping_types,
 )
 from hyper_parallel.config._tree import copy_tree
-from hyper_parallel.config.errors import ConfigError, describe, did_you_mean, join_path
+from hyper_parallel.config.errors import ConfigError, describe, did_you_mean, join_path, relocate
+from hyper_parallel.config.leaf_codec import leaf_codec
 
 __all__ = ["apply_overrides", "parse_text"]
 
@@ -87,7 +89,7 @@ def _set_at(
             return dataclasses.replace(node, **{step: value})
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
-                raise
+                raise relocate(err, path) from err
             raise ConfigError(
                 f"{format_type(cls)} rejected the value: {err}", path=child_path
             ) from err
@@ -149,6 +151,13 @@ def parse_text(text: str, declared: object, path: str, decoder: Decoder) -> Any:
     """``text`` parsed by the annotation ``declared`` (see Config.apply_overrides for the rules)."""
     ann = strip_annotated(declared)
     stripped = text.strip()
+    codec = leaf_codec(declared)
+    if codec is not None:
+        try:
+            data: object = json.loads(stripped)
+        except ValueError:
+            data = stripped
+        return decode_leaf(codec, data, path)
     if is_any(ann):
         try:
             return decoder.decode(json.loads(stripped), Any, path)

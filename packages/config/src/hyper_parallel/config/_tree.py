@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Hashable, Iterator
 from typing import Any, TypeVar
 
-from hyper_parallel.config.errors import join_path
+from hyper_parallel.config.errors import ConfigError, join_path
 
 __all__ = ["copy_tree", "walk_configs"]
 
@@ -19,54 +19,52 @@ def copy_tree(value: _T) -> _T:
 
     A non-frozen dataclass, list, dict or set is always copied; a tuple or frozen dataclass
     only when something inside it had to be copied (otherwise it is immutable and shared).
-    Shared nodes stay shared within the copy (like ``copy.deepcopy``).
+    Configs are values: a node that appears twice in ``value`` is copied twice, so the copy
+    shares nothing (the same as ``to_dict``/``from_dict`` would give). A node that contains
+    itself is a ``ConfigError`` naming the path.
     """
-    copied: _T = _copy(value, {})
+    copied: _T = _copy(value, {}, "")
     return copied
 
 
-def _copy(value: Any, memo: dict[int, Any]) -> Any:
-    done = memo.get(id(value))
-    if done is not None:
-        return done
+def _copy(value: Any, active: dict[int, str], path: str) -> Any:
     cls = type(value)
-    if cls is list:
-        new_list: list[Any] = []
-        memo[id(value)] = new_list
-        new_list.extend(_copy(v, memo) for v in value)
-        return new_list
-    if cls is dict:
-        new_dict: dict[Any, Any] = {}
-        memo[id(value)] = new_dict
-        for k, v in value.items():
-            new_dict[k] = _copy(v, memo)
-        return new_dict
-    if cls is tuple:
-        items = tuple(_copy(v, memo) for v in value)
-        result = value if all(a is b for a, b in zip(items, value, strict=True)) else items
-    elif cls is set:
-        result = {_copy(v, memo) for v in value}
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        result = _copy_dataclass(value, memo)
-    elif isinstance(value, (list, dict, set)):  # subclasses of containers: keep their type
-        result = copy.deepcopy(value, {})
-    else:  # callables, placements, enums, scalars, tensors: kept as they are
-        return value
-    memo[id(value)] = result
-    return result
+    is_node = cls in (list, dict, tuple, set) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    )
+    if not is_node:
+        if isinstance(value, (list, dict, set)):  # subclasses of containers: keep their type
+            return copy.deepcopy(value, {})
+        return value  # callables, placements, enums, scalars, tensors: kept as they are
+    seen = active.get(id(value))
+    if seen is not None:
+        raise ConfigError(
+            f"cannot copy a cyclic config: this value is its own ancestor at {seen or '<root>'!r}",
+            path=path,
+        )
+    active[id(value)] = path
+    try:
+        if cls is list:
+            return [_copy(v, active, join_path(path, i)) for i, v in enumerate(value)]
+        if cls is dict:
+            return {k: _copy(v, active, join_path(path, k)) for k, v in value.items()}
+        if cls is tuple:
+            items = tuple(_copy(v, active, join_path(path, i)) for i, v in enumerate(value))
+            return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+        if cls is set:
+            return {_copy(v, active, path) for v in value}
+        return _copy_dataclass(value, active, path)
+    finally:
+        del active[id(value)]
 
 
-def _copy_dataclass(value: Any, memo: dict[int, Any]) -> Any:
+def _copy_dataclass(value: Any, active: dict[int, str], path: str) -> Any:
     frozen = type(value).__dataclass_params__.frozen
     fields = dataclasses.fields(value)
-    if not frozen:
-        new = copy.copy(value)
-        memo[id(value)] = new  # before recursing, so shared/cyclic references resolve to it
-        for f in fields:
-            object.__setattr__(new, f.name, _copy(getattr(value, f.name), memo))
-        return new
-    copied = {f.name: _copy(getattr(value, f.name), memo) for f in fields}
-    if all(copied[f.name] is getattr(value, f.name) for f in fields):
+    copied = {
+        f.name: _copy(getattr(value, f.name), active, join_path(path, f.name)) for f in fields
+    }
+    if frozen and all(copied[f.name] is getattr(value, f.name) for f in fields):
         return value  # immutable and holds nothing mutable: share it, like a placement
     new = copy.copy(value)
     for name, item in copied.items():
@@ -82,10 +80,12 @@ def walk_configs(root: object, config_base: type) -> Iterator[tuple[str, Any, An
     children instead of the old ones; the replacement itself is not yielded again.
     """
     yield "", root, None, None
-    yield from _children(root, "", config_base)
+    yield from _children(root, "", config_base, {})
 
 
-def _children(node: object, fqn: str, config_base: type) -> Iterator[tuple[str, Any, Any, Any]]:
+def _children(
+    node: object, fqn: str, config_base: type, active: dict[int, str]
+) -> Iterator[tuple[str, Any, Any, Any]]:
     if isinstance(node, config_base):
         entries: list[tuple[Hashable, Any]] = [
             (f.name, getattr(node, f.name))
@@ -97,12 +97,23 @@ def _children(node: object, fqn: str, config_base: type) -> Iterator[tuple[str, 
         entries = list(node.items())
     else:
         return
-    for key, child in entries:
-        child_fqn = join_path(fqn, key)
-        if isinstance(child, config_base):
-            yield child_fqn, child, node, key
-            child = _reread(node, key, child)
-        yield from _children(child, child_fqn, config_base)
+    seen = active.get(id(node))
+    if seen is not None:
+        raise ConfigError(
+            f"cannot traverse a cyclic config: this value is its own ancestor at "
+            f"{seen or '<root>'!r}",
+            path=fqn,
+        )
+    active[id(node)] = fqn
+    try:
+        for key, child in entries:
+            child_fqn = join_path(fqn, key)
+            if isinstance(child, config_base):
+                yield child_fqn, child, node, key
+                child = _reread(node, key, child)
+            yield from _children(child, child_fqn, config_base, active)
+    finally:
+        del active[id(node)]
 
 
 def _reread(parent: Any, key: Any, fallback: object) -> object:

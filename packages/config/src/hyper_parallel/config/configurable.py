@@ -9,10 +9,11 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias, TypeVar, overload
 
 from hyper_parallel.config._annotations import format_type, init_fields, resolved_field_types
+from hyper_parallel.config._check import check_fields
 from hyper_parallel.config._codec import Decoder, JSONValue, encode
 from hyper_parallel.config._overrides import apply_overrides
 from hyper_parallel.config._tree import copy_tree, walk_configs
-from hyper_parallel.config.errors import ConfigError, did_you_mean
+from hyper_parallel.config.errors import ConfigError, UnboundConfigError, did_you_mean
 
 __all__ = ["Configurable", "TraverseKey", "TraverseParent", "enforce_module_config_slots"]
 
@@ -73,6 +74,39 @@ class Configurable:
             super(Configurable.Config, cls).__init_subclass__(**kwargs)
             _declare_field_overrides(cls)
 
+        def __post_init__(self) -> None:
+            """Check every field's value against its annotation, then run :meth:`validate`.
+
+            Runs for the constructor, ``replace``, ``from_dict`` and ``apply_overrides``, so a
+            wrong-typed value is a :class:`~hyper_parallel.config.ConfigTypeError` naming the
+            field before the config exists. A subclass defining its own ``__post_init__``
+            calls ``Configurable.Config.__post_init__(self)``.
+            """
+            check_fields(self)
+            self.validate()
+
+        def validate(self) -> None:
+            """Hook: raise ``ConfigError(message, path=field)`` for values that type-check but make no sense.
+
+            Called after the type checks. Overrides call their parent's ``validate`` first
+            (``Parent.Config.validate(self)``: ``super()`` fails in slots dataclasses).
+
+            Example::
+
+                >>> from dataclasses import dataclass
+                >>> class Attention(Configurable):
+                ...     @dataclass(kw_only=True, slots=True)
+                ...     class Config(Configurable.Config):
+                ...         heads: int = 4
+                ...         def validate(self) -> None:
+                ...             if self.heads < 1:
+                ...                 raise ConfigError(f"expected >= 1, found {self.heads}", path="heads")
+                >>> Attention.Config(heads=0)
+                Traceback (most recent call last):
+                ...
+                hyper_parallel.config.errors.ConfigError: heads: expected >= 1, found 0
+            """
+
         def build(self, **runtime_kwargs: Any) -> Any:
             """Construct the owner: ``Owner(config=<deep copy of self>, **runtime_kwargs)``.
 
@@ -98,7 +132,7 @@ class Configurable:
             cls = type(self)
             owner = getattr(cls, _OWNER, None)
             if owner is None:
-                raise ConfigError(
+                raise UnboundConfigError(
                     f"{format_type(cls)} has no owner to build: expected a Config declared "
                     f"inside a Configurable subclass (or a subclass of one), found "
                     f"{cls.__module__}:{cls.__qualname__} bound to nothing"

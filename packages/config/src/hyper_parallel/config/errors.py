@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "ConfigTypeError", "UnboundConfigError"]
 
 
 class ConfigError(ValueError):
@@ -27,6 +27,46 @@ class ConfigError(ValueError):
         self.message = message
         where = "" if path is None else f"{path or '<root>'}: "
         super().__init__(f"{where}{message}")
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A value of the wrong type given to a Config (constructor, ``replace``, ``from_dict``).
+
+    Both a :class:`ConfigError` and a ``TypeError``, so callers catching either work.
+
+    Example::
+
+        >>> isinstance(ConfigTypeError("expected int, found str '3'", path="dim"), TypeError)
+        True
+    """
+
+
+class UnboundConfigError(ConfigError, NotImplementedError):
+    """``build()`` on a Config that is bound to no Configurable.
+
+    Both a :class:`ConfigError` and the ``NotImplementedError`` upstream hyper-parallel raises.
+
+    Example::
+
+        >>> isinstance(UnboundConfigError("no owner"), NotImplementedError)
+        True
+    """
+
+
+def relocate(error: ConfigError, prefix: str) -> ConfigError:
+    """``error`` with its path placed below ``prefix`` (same class, same message).
+
+    Example::
+
+        >>> str(relocate(ConfigError("expected >= 1, found 0", path="n_heads"), "model"))
+        'model.n_heads: expected >= 1, found 0'
+    """
+    if not prefix:
+        return error
+    path = prefix if not error.path else join_path(prefix, error.path)
+    moved = type(error).__new__(type(error))
+    ConfigError.__init__(moved, error.message, path=path)
+    return moved
 
 
 def join_path(path: str, key: object) -> str:
