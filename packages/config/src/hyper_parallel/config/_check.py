@@ -179,12 +179,9 @@ class _Checker:
             )
         self._active.add(id(value))
         try:
+            fixed = container is tuple and args[-1] is not Ellipsis
             for i, item in enumerate(value):
-                if container is tuple and args[-1] is not Ellipsis:
-                    item_ann = args[i]
-                else:
-                    item_ann = args[0]
-                self.check(item, item_ann, join_path(path, i))
+                self.check(item, args[i] if fixed else args[0], join_path(path, i))
         finally:
             self._active.discard(id(value))
 
