@@ -32,8 +32,8 @@ class Placement:
         """True for ``Replicate``."""
         return False
 
-    def is_partial(self) -> bool:
-        """True for ``Partial`` of any reduce op."""
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        """True for ``Partial`` (of ``reduce_op``, when given), as torch's ``Placement.is_partial``."""
         return False
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -127,8 +127,8 @@ class Partial(Placement):
             )
         object.__setattr__(self, "reduce_op", reduce_op)
 
-    def is_partial(self) -> bool:
-        return True
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or self.reduce_op == reduce_op
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Partial) and other.reduce_op == self.reduce_op
