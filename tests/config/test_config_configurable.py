@@ -233,7 +233,7 @@ def test_build_copies_a_shared_sub_config_once_per_place_it_appears() -> None:
     built = Model.Config(layers=[shared, shared]).build().config
     assert built.layers[0] == built.layers[1] == shared
     assert built.layers[0] is not built.layers[1]
-    assert shared not in [*map(id, built.layers)]
+    assert id(shared) not in {id(layer) for layer in built.layers}
 
 
 def test_build_rejects_runtime_kwargs_naming_config_fields() -> None:

@@ -64,7 +64,7 @@ def _parse(annotation: object, text: str) -> Any:
     holder = _holder(annotation)
     # None fits no annotation here; start from an instance made without the constructor's
     # type check (the override's replace() checks the parsed value)
-    blank = holder.__new__(holder)
+    blank = object.__new__(holder)
     object.__setattr__(blank, "value", None)
     return blank.apply_overrides([f"value={text}"]).value
 

@@ -32,7 +32,7 @@ class Tiny(BaseModel):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.config = config
-        self.embed = torch.nn.Embedding(config.vocab, config.dim)
+        self.embed = Module.from_nn_module(torch.nn.Embedding)(config.vocab, config.dim)
         self.weight = torch.nn.Parameter(torch.empty(config.dim, config.dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -117,14 +117,15 @@ def test_verify_module_protocol_lists_every_problem() -> None:
             self.weight = torch.nn.Parameter(torch.empty(2))
 
     with pytest.raises(TypeError) as info:
-        Broken.Config().build().verify_module_protocol()
+        Broken.Config().build().verify_module_protocol(strict=True)
+    assert isinstance(info.value, RuntimeError)  # upstream's type
     message = str(info.value)
     assert message.startswith("Broken.verify_module_protocol: 2 problem(s):")
     assert "Broken does not define forward()" in message
     assert "Broken.weight: no initializer; Broken.Config.param_init is not set" in message
 
     with pytest.raises(TypeError, match=r"NoConfig declares no Config of its own"):
-        NoConfig(Tiny.Config()).verify_module_protocol()
+        NoConfig(Tiny.Config()).verify_module_protocol(strict=True)
 
 
 def test_model_config_converter_is_abstract_and_round_trips() -> None:
@@ -143,25 +144,29 @@ def test_model_config_converter_is_abstract_and_round_trips() -> None:
 
 
 def test_model_spec_checks_flavors_and_returns_copies() -> None:
-    spec = ModelSpec(name="tiny", flavors={"debug": Tiny.Config(dim=2)}, converter=TinyConverter())
+    spec = ModelSpec(
+        name="tiny",
+        model=Tiny.Config(),
+        flavors={"debug": Tiny.Config(dim=2)},
+        converter=TinyConverter(),
+    )
     config = spec.config("debug")
     assert config == Tiny.Config(dim=2) and config is not spec.flavors["debug"]
+    assert spec.config() == Tiny.Config() and spec.config() is not spec.model
     with pytest.raises(
         LookupError, match=r"model 'tiny' has no flavor 'debgu'; did you mean 'debug'"
     ):
         spec.config("debgu")
-    with pytest.raises(ValueError, match="expected at least one flavor"):
-        ModelSpec(name="empty", flavors={})
     with pytest.raises(TypeError, match=r"flavor 'x': expected a BaseModel.Config, found Config"):
-        ModelSpec(name="bad", flavors={"x": Module.Config()})  # type: ignore[dict-item]
+        ModelSpec(name="bad", model=Tiny.Config(), flavors={"x": Module.Config()})  # type: ignore[dict-item]
 
 
 def test_registry_rejects_duplicates_and_suggests_names() -> None:
     registry = ModelRegistry()
-    spec = ModelSpec(name="llama-tiny", flavors={"debug": Tiny.Config()})
+    spec = ModelSpec(name="llama-tiny", model=Tiny.Config(), flavors={"debug": Tiny.Config()})
     registry.register(spec)
     assert registry.get("llama-tiny") is spec
-    other = ModelSpec(name="llama-tiny", flavors={"small": Tiny.Config()})
+    other = ModelSpec(name="llama-tiny", model=Tiny.Config(), flavors={"small": Tiny.Config()})
     with pytest.raises(
         ValueError, match=r"'llama-tiny' is already registered \(flavors \['debug'\]\)"
     ):
@@ -177,7 +182,7 @@ def test_registry_rejects_duplicates_and_suggests_names() -> None:
 
 
 def test_module_level_registry_functions() -> None:
-    spec = ModelSpec(name="test-base-model-tiny", flavors={"debug": Tiny.Config()})
+    spec = ModelSpec(name="test-base-model-tiny", model=Tiny.Config())
     register_spec(spec)
     try:
         assert get_spec("test-base-model-tiny") is spec

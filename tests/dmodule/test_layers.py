@@ -269,7 +269,7 @@ def test_local_map_block_declares_partial_output_and_input_gradient() -> None:
     sc = FeedForward.Config.tensor_parallel(local_map=True).sharding_config
     assert sc is not None and sc.local_map is not None
     assert sc.out_src_shardings == {"tp": Partial()}
-    assert sc.local_map.in_grad_placements == {"x": {"tp": Partial()}}
+    assert sc.local_map.in_grad_placements == ({"tp": Partial()},)  # forward(x), positional
 
 
 def test_layers_match_torch_reference_in_one_process() -> None:

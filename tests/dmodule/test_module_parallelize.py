@@ -546,8 +546,13 @@ def test_partial_state_layout_is_rejected(errors: dict[str, Any]) -> None:
     )
 
 
-def test_non_placement_value_is_rejected(errors: dict[str, Any]) -> None:
-    assert "Linear.weight: mesh axis 'tp': expected a Placement" in errors["not_a_placement"]
+def test_non_placement_value_is_rejected_when_the_sharding_config_is_made(
+    errors: dict[str, Any],
+) -> None:
+    assert errors["not_a_placement"] == (
+        "ConfigTypeError: state_shardings.weight.tp: expected a placement such as 'Shard(0)', "
+        "'Replicate()' or 'Partial(sum)', found int 0"
+    )
 
 
 def test_unknown_forward_argument_lists_the_arguments(errors: dict[str, Any]) -> None:

@@ -62,7 +62,7 @@ def test_sharding_config_is_immutable_with_safe_defaults() -> None:
     assert ShardingConfig().state_shardings is not config.state_shardings
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.local_map = LocalMapConfig()  # type: ignore[misc]
-    assert LocalMapConfig().in_grad_placements == {}
+    assert LocalMapConfig().in_grad_placements == ()  # upstream: one entry per input; none
 
 
 def test_one_named_placement_lays_out_every_output() -> None:

@@ -14,6 +14,7 @@ Example::
     16
 """
 
+from hyper_parallel.config._check import check_fields
 from hyper_parallel.config.cli import load_config, parse_cli_overrides
 from hyper_parallel.config.configurable import (
     Configurable,
@@ -32,6 +33,7 @@ __all__ = [
     "TraverseKey",
     "TraverseParent",
     "UnboundConfigError",
+    "check_fields",
     "enforce_module_config_slots",
     "load_config",
     "parse_cli_overrides",

@@ -84,6 +84,8 @@ _NAMES: dict[object, str] = {
 def format_type(ann: object) -> str:
     """Readable name of an annotation: ``int``, ``list[Linear.Config]``, ``int | None``."""
     ann = strip_annotated(ann)
+    if isinstance(ann, list):  # the parameter list of Callable[[X, Y], Z]
+        return "[" + ", ".join(format_type(a) for a in ann) + "]"
     members = union_members(ann)
     if members is not None:
         return " | ".join(format_type(m) for m in members)

@@ -17,7 +17,7 @@ import torch
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.module import Module, _missing_initializers
 
-__all__ = ["BaseModel", "ModelConfigConverter"]
+__all__ = ["BaseModel", "ModelConfigConverter", "ModuleProtocolError"]
 
 _C = TypeVar("_C", bound="BaseModel.Config")
 
@@ -27,7 +27,8 @@ class BaseModel(Module):
 
     - ``init_weights(buffer_device=None)``: initialise every parameter and buffer
       (:meth:`Module.init_states`; works on meta-built, parallelized, ``to_empty`` models).
-    - ``verify_module_protocol()``: raise ``TypeError`` listing what a trainer would trip on.
+    - ``verify_module_protocol(strict=False)``: raise :class:`ModuleProtocolError` listing
+      plain ``torch.nn`` submodules (and with ``strict``, what else a trainer trips on).
     - ``Config.update_from_config(job_config)``: a copy taking fields from a trainer config.
     - ``Config.get_nparams_and_flops(model, seq_len)``: parameter count and FLOPs per token.
 
@@ -122,34 +123,57 @@ class BaseModel(Module):
         """
         self.init_states(buffer_device=buffer_device)
 
-    def verify_module_protocol(self) -> None:
-        """Raise ``TypeError`` listing every way this model breaks the trainer protocol.
+    def verify_module_protocol(self, *, strict: bool = False) -> None:
+        """Raise :class:`ModuleProtocolError` listing every submodule that is not a :class:`Module`.
 
-        Checked: the class declares its own ``Config`` (so ``Config.build`` makes this
-        class), overrides ``forward``, and every parameter in its tree has an
-        initializer (so ``init_weights`` works on a meta-built model).
+        As upstream: a plain ``torch.nn`` child (``nn.Linear``, ``nn.ModuleList``) is
+        flagged with its path; wrap it with :meth:`Module.from_nn_module` or use the
+        ``ModuleList``/``ModuleDict``/``Sequential`` of ``hyper_parallel.dmodule``.
+        ``strict=True`` (an addition here) also checks that the class declares its own
+        ``Config`` (so ``Config().build()`` makes this class), overrides ``forward``, and that
+        every parameter has an initializer (so ``init_weights`` works on a meta-built model).
 
         Example::
 
-            >>> model.verify_module_protocol()  # doctest: +SKIP
+            >>> model.verify_module_protocol(strict=True)  # doctest: +SKIP
         """
         cls = type(self)
         base = getattr(cls, "_hp_parallel_base", None) or cls
-        problems: list[str] = []
-        if getattr(base.Config, "_hp_owner", None) is not base:
-            problems.append(
-                f"{base.__name__} declares no Config of its own; declare "
-                f"`class Config({base.__mro__[1].__name__}.Config)` inside it so that "
-                f"Config().build() makes a {base.__name__}"
-            )
-        if base.forward is torch.nn.Module.forward:
-            problems.append(f"{base.__name__} does not define forward()")
-        problems += _missing_initializers(self, "")
+        problems = [
+            f"{path!r} ({type(sub).__name__}) is a plain {type(sub).__module__}."
+            f"{type(sub).__qualname__}, not a hyper_parallel.dmodule.Module; wrap its class "
+            "with Module.from_nn_module (containers: hyper_parallel.dmodule.ModuleList, "
+            "ModuleDict, Sequential)"
+            for path, sub in self.named_modules()
+            if not isinstance(sub, Module)
+        ]
+        if strict:
+            if getattr(base.Config, "_hp_owner", None) is not base:
+                problems.append(
+                    f"{base.__name__} declares no Config of its own; declare "
+                    f"`class Config({base.__mro__[1].__name__}.Config)` inside it so that "
+                    f"Config().build() makes a {base.__name__}"
+                )
+            if base.forward is torch.nn.Module.forward:
+                problems.append(f"{base.__name__} does not define forward()")
+            problems += _missing_initializers(self, "")
         if problems:
-            raise TypeError(
+            raise ModuleProtocolError(
                 f"{base.__name__}.verify_module_protocol: {len(problems)} problem(s):\n  "
                 + "\n  ".join(problems)
             )
+
+
+class ModuleProtocolError(RuntimeError, TypeError):
+    """A model breaks the :class:`BaseModel` protocol.
+
+    A ``RuntimeError`` as upstream raises, and the ``TypeError`` raised here before.
+
+    Example::
+
+        >>> issubclass(ModuleProtocolError, RuntimeError), issubclass(ModuleProtocolError, TypeError)
+        (True, True)
+    """
 
 
 class ModelConfigConverter(abc.ABC, Generic[_C]):

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter
 
-__all__ = ["ModelRegistry", "ModelSpec", "get_spec", "register_spec", "unregister_spec"]
+__all__ = [
+    "ModelRegistry",
+    "ModelSpec",
+    "UnknownModelError",
+    "get_spec",
+    "register_spec",
+    "unregister_spec",
+]
 
 
 def _did_you_mean(name: str, options: list[str]) -> str:
@@ -18,41 +25,98 @@ def _did_you_mean(name: str, options: list[str]) -> str:
     return f"{hint} Known: {sorted(options)}"
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A model a trainer can pick by name: its config flavors and an optional converter.
+class UnknownModelError(LookupError, ValueError):
+    """No model registered under a name: a ``LookupError`` and upstream's ``ValueError``.
 
     Example::
 
-        >>> spec = ModelSpec(name="tiny", flavors={"debug": BaseModel.Config()})
+        >>> issubclass(UnknownModelError, ValueError), issubclass(UnknownModelError, LookupError)
+        (True, True)
+    """
+
+
+@dataclass
+class ModelSpec:
+    """A model a trainer can pick by name (upstream hyper-parallel's fields, plus ``flavors``).
+
+    Exactly one of ``model`` (a :class:`BaseModel.Config`, built with ``model.build()``) and
+    ``build_model_fn`` (a factory ``(job_config) -> nn.Module``) is set. The hooks are
+    optional: ``parallelize_fn(model, mesh, job_config) -> model``, ``clip_grad_fn``,
+    ``pipelining_fn(model, mesh, job_config)``, and ``state_dict_adapter``, a class that
+    translates state-dict keys (e.g. to Hugging Face names). Additions here: ``flavors``
+    (named configs, as TorchTitan's ``model_args``), a ``converter`` for external configs
+    and a ``description``. Every field is checked when the spec is made.
+
+    Example::
+
+        >>> spec = ModelSpec(name="tiny", model=BaseModel.Config(),
+        ...                  flavors={"debug": BaseModel.Config()})
         >>> spec.config("debug")
         BaseModel.Config(param_init=None, sharding_config=None)
     """
 
     name: str
-    flavors: Mapping[str, BaseModel.Config]
+    build_model_fn: Callable[..., Any] | None = None
+    model: BaseModel.Config | None = None
+    parallelize_fn: Callable[..., Any] | None = None
+    clip_grad_fn: Callable[..., Any] | None = None
+    pipelining_fn: Callable[..., Any] | None = None
+    state_dict_adapter: type | None = None
+    flavors: Mapping[str, BaseModel.Config] = field(default_factory=dict)
     converter: ModelConfigConverter[Any] | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ModelSpec.name: expected a non-empty str, found {self.name!r}")
-        if not self.flavors:
-            raise ValueError(f"ModelSpec {self.name!r}: expected at least one flavor, found none")
+        where = f"ModelSpec {self.name!r}"
+        if self.build_model_fn is None and self.model is None:
+            raise ValueError(
+                f"{where} requires build_model_fn or model config (found neither); set "
+                "model=<BaseModel.Config> or build_model_fn=<factory>"
+            )
+        if self.build_model_fn is not None and self.model is not None:
+            raise ValueError(f"{where} must not set both build_model_fn and model; keep one")
+        if self.model is not None and not isinstance(self.model, BaseModel.Config):
+            raise TypeError(
+                f"{where}: model: expected a BaseModel.Config, found {type(self.model).__name__}"
+            )
+        for hook in ("build_model_fn", "parallelize_fn", "clip_grad_fn", "pipelining_fn"):
+            value = getattr(self, hook)
+            if value is not None and not callable(value):
+                raise TypeError(f"{where}: {hook}: expected a callable, found {value!r}")
+        if self.state_dict_adapter is not None and not isinstance(self.state_dict_adapter, type):
+            raise TypeError(
+                f"{where}: state_dict_adapter: expected a class (as upstream), found "
+                f"{self.state_dict_adapter!r}"
+            )
+        if not isinstance(self.flavors, Mapping):
+            raise TypeError(f"{where}: flavors: expected a mapping, found {self.flavors!r}")
         for flavor, config in self.flavors.items():
             if not isinstance(config, BaseModel.Config):
                 raise TypeError(
-                    f"ModelSpec {self.name!r}: flavor {flavor!r}: expected a BaseModel.Config, "
+                    f"{where}: flavor {flavor!r}: expected a BaseModel.Config, "
                     f"found {type(config).__name__}"
                 )
+        if self.converter is not None and not isinstance(self.converter, ModelConfigConverter):
+            raise TypeError(
+                f"{where}: converter: expected a ModelConfigConverter, found {self.converter!r}"
+            )
 
-    def config(self, flavor: str) -> BaseModel.Config:
-        """A copy of the config of ``flavor`` (unknown flavors raise with did-you-mean).
+    def config(self, flavor: str | None = None) -> BaseModel.Config:
+        """A copy of ``model`` (no ``flavor``) or of the config of ``flavor`` (unknown: did-you-mean).
 
         Example::
 
             >>> spec.config("debug").build()  # doctest: +SKIP
         """
+        if flavor is None:
+            if self.model is None:
+                raise LookupError(
+                    f"model {self.name!r} is built by build_model_fn and has no model config; "
+                    f"name a flavor{_did_you_mean('', list(self.flavors))}"
+                )
+            return self.model.replace()
         found = self.flavors.get(flavor)
         if found is None:
             raise LookupError(
@@ -68,7 +132,7 @@ class ModelRegistry:
     Example::
 
         >>> registry = ModelRegistry()
-        >>> registry.register(ModelSpec(name="tiny", flavors={"debug": BaseModel.Config()}))
+        >>> registry.register(ModelSpec(name="tiny", model=BaseModel.Config()))
         >>> registry.get("tiny").name
         'tiny'
     """
@@ -76,23 +140,26 @@ class ModelRegistry:
     def __init__(self) -> None:
         self._specs: dict[str, ModelSpec] = {}
 
-    def register(self, spec: ModelSpec, *, replace: bool = False) -> None:
-        """Add ``spec``; a second spec under the same name raises unless ``replace=True``."""
+    def register(self, spec: ModelSpec, *, name: str | None = None, replace: bool = False) -> None:
+        """Add ``spec`` under ``name`` (default ``spec.name``); a taken name raises unless ``replace``."""
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"register_spec: expected a ModelSpec, found {type(spec).__name__}")
-        existing = self._specs.get(spec.name)
+        key = spec.name if name is None else name
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"register_spec: expected a non-empty str name, found {key!r}")
+        existing = self._specs.get(key)
         if existing is not None and not replace and existing is not spec:
             raise ValueError(
-                f"register_spec: a model named {spec.name!r} is already registered "
+                f"register_spec: a model named {key!r} is already registered "
                 f"(flavors {sorted(existing.flavors)}); pick another name or pass replace=True"
             )
-        self._specs[spec.name] = spec
+        self._specs[key] = spec
 
     def get(self, name: str) -> ModelSpec:
-        """The spec registered as ``name`` (unknown names raise with did-you-mean)."""
+        """The spec registered as ``name`` (unknown names raise :class:`UnknownModelError`)."""
         found = self._specs.get(name)
         if found is None:
-            raise LookupError(
+            raise UnknownModelError(
                 f"get_spec: no model named {name!r}" + _did_you_mean(name, list(self._specs))
             )
         return found
@@ -110,17 +177,28 @@ class ModelRegistry:
 _default_registry = ModelRegistry()
 
 
-def register_spec(spec: ModelSpec, *, replace: bool = False) -> None:
-    """Register ``spec`` under ``spec.name`` in the default registry.
+def register_spec(
+    name_or_spec: str | ModelSpec, spec: ModelSpec | None = None, *, replace: bool = False
+) -> None:
+    """Register a spec in the default registry: ``register_spec(name, spec)`` as upstream, or ``register_spec(spec)``.
 
     Example::
 
-        >>> register_spec(ModelSpec(name="doc-tiny", flavors={"debug": BaseModel.Config()}))
-        >>> get_spec("doc-tiny").config("debug")
+        >>> register_spec("doc-tiny", ModelSpec(name="doc-tiny", model=BaseModel.Config()))
+        >>> get_spec("doc-tiny").config()
         BaseModel.Config(param_init=None, sharding_config=None)
         >>> unregister_spec("doc-tiny")
     """
-    _default_registry.register(spec, replace=replace)
+    if isinstance(name_or_spec, ModelSpec):
+        if spec is not None:
+            raise TypeError("register_spec: expected (name, spec) or (spec), found two specs")
+        _default_registry.register(name_or_spec, replace=replace)
+        return
+    if spec is None:
+        raise TypeError(
+            f"register_spec({name_or_spec!r}): expected a ModelSpec as the second argument"
+        )
+    _default_registry.register(spec, name=name_or_spec, replace=replace)
 
 
 def get_spec(name: str) -> ModelSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 
-from hyper_parallel.config import Configurable, enforce_module_config_slots
+from hyper_parallel.config import ConfigError, Configurable, enforce_module_config_slots
 from hyper_parallel.dmodule._forward import ForwardPlan
 from hyper_parallel.dmodule.local_map import local_states
 from hyper_parallel.dmodule.sharding import ShardingConfig
@@ -116,6 +117,8 @@ class Module(_PlatformModule, Configurable):
     _sharding_config: ShardingConfig | None = None
     _parallelized: bool = False
     _hp_forward_plan: ForwardPlan | None = None
+    # Set by parallelize and _apply: some own state is a meta tensor (no memory yet).
+    _hp_states_on_meta: bool = False
     # The class a parallel subclass was made from (set on those subclasses only).
     _hp_parallel_base: ClassVar[type | None] = None
 
@@ -144,6 +147,9 @@ class Module(_PlatformModule, Configurable):
 
                 >>> Linear.Config(in_features=16).build()  # doctest: +SKIP
             """
+            inherited_by = type(self).__dict__.get("_hp_inherited_by")
+            if inherited_by is not None:
+                raise ConfigError(_no_own_config_message(inherited_by, type(self)))
             instance = Configurable.Config.build(self, **kwargs)
             if isinstance(instance, Module):
                 # The layer's own copy when it keeps one, else a fresh copy: never the template's.
@@ -151,6 +157,9 @@ class Module(_PlatformModule, Configurable):
                 config = kept if isinstance(kept, Module.Config) else self.replace()
                 instance._param_init = config.param_init
                 instance._sharding_config = config.sharding_config
+                unknown = instance._unknown_initializers()
+                if unknown:
+                    raise ConfigError(unknown[0][1], path=f"param_init.{unknown[0][0]}")
             return instance
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -158,6 +167,10 @@ class Module(_PlatformModule, Configurable):
         config_cls = cls.__dict__.get("Config")
         if config_cls is not None:
             enforce_module_config_slots(config_cls, cls.__name__)
+        elif "_hp_parallel_base" not in cls.__dict__:
+            # Without a Config of its own, cls.Config would be the parent's and build the
+            # parent: a stand-in that says so on build() instead.
+            type.__setattr__(cls, "Config", _inherited_config(cls))
 
     # -- declared specs ----------------------------------------------------------------
     @property
@@ -204,6 +217,14 @@ class Module(_PlatformModule, Configurable):
                 f"{type(self).__name__}.init_states: missing initializers:\n  "
                 + "\n  ".join(problems)
             )
+        on_meta = _states_on_meta(self)
+        if on_meta:
+            shown = ", ".join(repr(n) for n in on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+            raise ValueError(
+                f"{type(self).__name__}.init_states: {len(on_meta)} parameter(s)/buffer(s) are "
+                f"on the meta device ({shown}), so there is no memory to initialise; call "
+                f"model.to_empty(device=...) first (after parallelize, before init_states)"
+            )
         self._init_subtree(buffer_device)
 
     def _init_subtree(self, buffer_device: torch.device | str | None) -> None:
@@ -227,7 +248,44 @@ class Module(_PlatformModule, Configurable):
         with torch.no_grad():
             for name, param in self._parameters.items():
                 if param is not None:
-                    inits[name](param)
+                    result = inits[name](param)
+                    if isinstance(result, torch.Tensor) and not _same_tensor(result, param):
+                        raise ValueError(
+                            f"{type(self).__name__}.{name}: param_init[{name!r}] "
+                            f"({_describe_init(inits[name])}) returned a new tensor instead of "
+                            "filling the parameter in place; expected an initializer like "
+                            "torch.nn.init.normal_ that writes into its argument (and returns "
+                            "it or None)"
+                        )
+
+    def _unknown_initializers(self) -> list[tuple[str, str]]:
+        """``(name, why)`` for each ``param_init`` entry that names no own parameter or is not callable."""
+        if type(self)._init_self_parameters is not Module._init_self_parameters:
+            return []
+        cls = getattr(type(self), "_hp_parallel_base", None) or type(self)
+        owner = cls.__name__
+        own = sorted(self._parameters)
+        found: list[tuple[str, str]] = []
+        for name, init in (self.param_init or {}).items():
+            if name not in self._parameters:
+                close = difflib.get_close_matches(name, own, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                found.append(
+                    (
+                        name,
+                        f"{owner}.Config.param_init names {name!r}, which is not a parameter of "
+                        f"{owner}; its parameters are {own}{hint}",
+                    )
+                )
+            elif not callable(init):
+                found.append(
+                    (
+                        name,
+                        f"{owner}.{name}: param_init[{name!r}] is {type(init).__name__} "
+                        f"{init!r}; expected a callable that fills the tensor in place",
+                    )
+                )
+        return found
 
     def _init_self_buffers(self, *, buffer_device: torch.device | str | None = None) -> None:
         """Hook: (re)create this module's own buffers, e.g. on ``buffer_device``."""
@@ -286,6 +344,7 @@ class Module(_PlatformModule, Configurable):
                 module._hp_forward_plan = plan.forward
                 module.__class__ = _parallel_class(type(module))
             module._parallelized = True
+            module._hp_states_on_meta = bool(_states_on_meta(module, recurse=False))
         return self
 
     def _apply(self: _M, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _M:
@@ -294,6 +353,9 @@ class Module(_PlatformModule, Configurable):
         # outright on a tensor that has a weak reference; DTensor states are re-registered,
         # once per tensor object so that tied parameters stay tied.
         _apply_tree(self, fn, {}, recurse=recurse)
+        for sub in self.modules() if recurse else (self,):
+            if isinstance(sub, Module) and sub._parallelized:
+                sub._hp_states_on_meta = bool(_states_on_meta(sub, recurse=False))
         return self
 
     @classmethod
@@ -320,6 +382,7 @@ class Module(_PlatformModule, Configurable):
             "__module__": __name__,
             "__qualname__": nn_module_cls.__name__,
             "__doc__": nn_module_cls.__doc__,
+            "_hp_wrapped_nn": nn_module_cls,
         }
         if hasattr(nn_module_cls, "reset_parameters"):
             attrs["_init_self_parameters"] = _reset_own_parameters
@@ -407,6 +470,7 @@ def _missing_initializers(module: torch.nn.Module, path: str) -> list[str]:
     own = [name for name, p in module._parameters.items() if p is not None]
     if isinstance(module, Module):
         problems += [f"{why}{where}" for n in own if (why := module._missing_initializer(n))]
+        problems += [f"{why}{where}" for _, why in module._unknown_initializers()]
     elif own and not callable(getattr(module, "reset_parameters", None)):
         cls = type(module).__name__
         problems += [
@@ -436,6 +500,8 @@ def _parallel_class(cls: type) -> type:
     def forward(self: Module, *args: Any, **kwargs: Any) -> Any:
         plan = self._hp_forward_plan
         assert plan is not None
+        if self._hp_states_on_meta:
+            _refuse_meta_forward(self, args, kwargs)
         args, kwargs = plan.prepare_inputs(args, kwargs)
         if plan.local_map:
             with local_states(self):
@@ -458,3 +524,75 @@ def _parallel_class(cls: type) -> type:
     )
     _parallel_classes[cls] = new_cls
     return new_cls
+
+
+def _same_tensor(result: torch.Tensor, param: torch.Tensor) -> bool:
+    """True when ``result`` is ``param`` or a view of its memory (what an in-place init returns)."""
+    if result is param:
+        return True
+    if isinstance(result, DTensor) or isinstance(param, DTensor):
+        if not (isinstance(result, DTensor) and isinstance(param, DTensor)):
+            return False
+        result, param = result.to_local(), param.to_local()
+    if result.device != param.device:
+        return False
+    if result.is_meta:
+        return result.shape == param.shape  # meta tensors have no memory to compare
+    return bool(result.untyped_storage().data_ptr() == param.untyped_storage().data_ptr())
+
+
+def _describe_init(init: object) -> str:
+    name = getattr(init, "__qualname__", None) or getattr(init, "__name__", None)
+    return str(name) if name else repr(init)
+
+
+def _states_on_meta(module: torch.nn.Module, *, recurse: bool = True) -> list[str]:
+    """Names of the (sub)tree's parameters and buffers that are meta tensors."""
+    found = [n for n, p in module.named_parameters(recurse=recurse) if p.is_meta]
+    return found + [n for n, b in module.named_buffers(recurse=recurse) if b.is_meta]
+
+
+def _refuse_meta_forward(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise unless the inputs are meta too (a meta forward, e.g. to trace shapes, is fine)."""
+    inputs = [*args, *kwargs.values()]
+    real = [x for x in inputs if isinstance(x, torch.Tensor) and not x.is_meta]
+    if real:
+        names = _states_on_meta(module, recurse=False)
+        raise RuntimeError(
+            f"{type(module).__name__}.forward: its states {names} are on the meta device (no "
+            f"memory), but an input is on {real[0].device}; call model.to_empty(device=...) and "
+            f"model.init_states() before running it"
+        )
+
+
+def _inherited_config(cls: type) -> type:
+    """A stand-in ``cls.Config`` for a Module subclass that declares none: its build() raises."""
+    parent: type = cls.Config  # type: ignore[attr-defined]  # the inherited one
+    namespace = {
+        "__module__": cls.__module__,
+        "__qualname__": f"{cls.__qualname__}.Config",
+        "__doc__": f"Stand-in: {cls.__name__} declares no Config of its own.",
+        "_hp_inherited_by": cls,
+    }
+    stand_in = type("Config", (parent,), namespace)
+    return dataclass(kw_only=True, slots=True)(stand_in)
+
+
+def _no_own_config_message(cls: type, config_cls: type) -> str:
+    parent = config_cls.__mro__[1]
+    parent_owner = getattr(parent, "_hp_owner", None)
+    built = parent_owner.__name__ if isinstance(parent_owner, type) else "nothing"
+    if cls.__dict__.get("_hp_wrapped_nn") is not None:
+        nn_cls = cls.__dict__["_hp_wrapped_nn"]
+        return (
+            f"Module.from_nn_module({nn_cls.__module__}.{nn_cls.__qualname__}) has no Config to "
+            f"build from: construct it with its own arguments ({cls.__name__}(...)), and declare "
+            f"its sharding in its parent's ShardingConfig with dotted state paths (e.g. "
+            f"state_shardings={{'proj.weight': {{'tp': Shard(0)}}}})"
+        )
+    return (
+        f"{cls.__qualname__} declares no Config of its own, so {cls.__name__}.Config().build() "
+        f"would build {built}, not {cls.__name__}; declare "
+        f"`@dataclass(kw_only=True, slots=True) class Config({parent.__qualname__})` inside "
+        f"{cls.__name__}"
+    )

@@ -6,10 +6,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+from hyper_parallel.config import check_fields
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import Placement, Replicate
 
 __all__ = [
+    "GradPlacements",
     "LocalMapConfig",
     "OutputShardings",
     "ShardingConfig",
@@ -17,29 +19,38 @@ __all__ = [
 ]
 
 OutputShardings: TypeAlias = (
-    "NamedPlacement | Sequence[NamedPlacement | None] | Mapping[str, NamedPlacement | None]"
+    NamedPlacement | Sequence[NamedPlacement | None] | Mapping[str, NamedPlacement | None]
 )
 """One :data:`NamedPlacement` for every tensor output, or one per output of a tuple, list or dict."""
+
+GradPlacements: TypeAlias = tuple[NamedPlacement | None, ...] | dict[str, NamedPlacement]
+"""``in_grad_placements``: one entry per positional forward input (upstream's form), or by name."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalMapConfig:
     """Run ``forward`` on local shards (no DTensor dispatch inside the block).
 
-    ``in_grad_placements`` maps a forward argument name to the placements its
-    gradient has when it flows back out of the block (default: the placements
-    the input was redistributed to, ``in_dst_shardings``). Declare ``Partial()``
-    for an input whose local gradient is a partial sum, e.g. the input of a
-    column-parallel block that is replicated over ``tp``.
+    ``in_grad_placements`` gives the placements an input's gradient has when it flows
+    back out of the block (default: the placements the input was redistributed to,
+    ``in_dst_shardings``). As upstream, a tuple with one entry per positional forward
+    input, in order (``None`` where there is nothing to declare); or, an addition here, a
+    dict by argument name. Declare ``Partial()`` for an input whose local gradient is a
+    partial sum, e.g. the input of a column-parallel block that is replicated over ``tp``.
 
     Example::
 
         >>> from hyper_parallel.dtensor import Partial
-        >>> LocalMapConfig(in_grad_placements={"x": {MeshAxisName.TP: Partial()}})
-        LocalMapConfig(in_grad_placements={'x': {MeshAxisName.TP: Partial(reduce_op='sum')}})
+        >>> LocalMapConfig(in_grad_placements=({MeshAxisName.TP: Partial()},))
+        LocalMapConfig(in_grad_placements=({MeshAxisName.TP: Partial(reduce_op='sum')},))
     """
 
-    in_grad_placements: dict[str, NamedPlacement] = field(default_factory=dict)
+    in_grad_placements: GradPlacements = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.in_grad_placements, list):  # upstream's annotation is a tuple
+            object.__setattr__(self, "in_grad_placements", tuple(self.in_grad_placements))
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +68,10 @@ class ShardingConfig:
       tuple/list/dict matching the output structure (``None`` leaves an output alone).
     - ``out_dst_shardings``: the layout outputs are redistributed to; same forms.
     - ``local_map``: run ``forward`` on local tensors (see :class:`LocalMapConfig`).
+
+    Values are type-checked when it is made (a ``ConfigTypeError`` naming the field);
+    ``to_dict``/``from_dict`` write placements as ``"Shard(0)"`` (see
+    :data:`~hyper_parallel.dmodule.types.PLACEMENT_CODEC`).
 
     Example::
 
@@ -76,6 +91,9 @@ class ShardingConfig:
     out_src_shardings: OutputShardings | None = None
     out_dst_shardings: OutputShardings | None = None
     local_map: LocalMapConfig | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def resolve_placements(

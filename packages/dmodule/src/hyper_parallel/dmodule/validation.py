@@ -265,6 +265,27 @@ def _plan_states(
         plan.states.append(StatePlan(owner, name, tensor, placements, is_parameter))
 
 
+def _grad_placements_by_name(
+    spec: object,
+    label: str,
+    module: Module,
+    positional: tuple[str, ...],
+    problems: list[str],
+) -> Mapping[str, NamedPlacement] | None:
+    """``local_map.in_grad_placements`` by argument name (upstream's tuple is positional)."""
+    if not isinstance(spec, tuple):
+        return spec if isinstance(spec, Mapping) else None
+    if spec and len(spec) != len(positional):  # () is the default: nothing declared
+        problems.append(
+            f"{label}: local_map.in_grad_placements has {len(spec)} entries, but "
+            f"{type(module).__name__}.forward takes {len(positional)} positional inputs "
+            f"{list(positional)}; give one entry per input, in order (None where there is "
+            "nothing to declare)"
+        )
+        return None
+    return {name: entry for name, entry in zip(positional, spec, strict=False) if entry is not None}
+
+
 def _plan_forward(
     module: Module,
     path: str,
@@ -278,7 +299,13 @@ def _plan_forward(
     label = _label(module, path)
     positional, named, var_kw = forward_signature(type(module))
     resolved: dict[str, dict[str, tuple[Placement, ...]]] = {}
-    grad_spec = sc.local_map.in_grad_placements if sc.local_map is not None else None
+    grad_spec = (
+        _grad_placements_by_name(
+            sc.local_map.in_grad_placements, label, module, positional, problems
+        )
+        if sc.local_map is not None
+        else None
+    )
     for kind, spec in (
         ("in_src_shardings", sc.in_src_shardings),
         ("in_dst_shardings", sc.in_dst_shardings),

@@ -75,5 +75,5 @@ def block_sharding(
         in_dst_shardings={"x": replicated()},
         out_src_shardings={TP: Partial()},
         out_dst_shardings=out,
-        local_map=LocalMapConfig(in_grad_placements={"x": {TP: Partial()}}),
+        local_map=LocalMapConfig(in_grad_placements=({TP: Partial()},)),  # forward(x)
     )

@@ -34,7 +34,7 @@ class FeedForward(Module):
         Example::
 
             >>> FeedForward.Config.tensor_parallel(local_map=True, dim=8).sharding_config.local_map
-            LocalMapConfig(in_grad_placements={'x': {MeshAxisName.TP: Partial(reduce_op='sum')}})
+            LocalMapConfig(in_grad_placements=({MeshAxisName.TP: Partial(reduce_op='sum')},))
         """
 
         dim: int = 64

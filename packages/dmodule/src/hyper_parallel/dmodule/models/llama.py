@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule._checks import require_positive
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import (
@@ -24,7 +26,7 @@ from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
 
-__all__ = ["LLAMA_SPEC", "Llama"]
+__all__ = ["LLAMA_SPEC", "Llama", "parallelize_llama"]
 
 
 class Llama(BaseModel):
@@ -71,6 +73,43 @@ class Llama(BaseModel):
         use_local_map: bool = False
         sequence_parallel: bool = False
         vocab_parallel: bool = True
+
+        def validate(self) -> None:
+            """Sizes that type-check but cannot make a model are a ``ConfigError`` naming the field.
+
+            Example::
+
+                >>> Llama.Config(n_heads=0)
+                Traceback (most recent call last):
+                ...
+                hyper_parallel.config.errors.ConfigError: n_heads: expected an int >= 1, found 0
+            """
+            BaseModel.Config.validate(self)
+            for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+                require_positive(self, name)
+            if self.n_kv_heads is not None:
+                require_positive(self, "n_kv_heads")
+            for name in ("norm_eps", "rope_theta"):
+                value = getattr(self, name)
+                if not value > 0 or value == float("inf"):
+                    raise ConfigError(f"expected a finite float > 0, found {value!r}", path=name)
+            if self.dim % self.n_heads:
+                raise ConfigError(
+                    f"expected dim to divide by n_heads ({self.n_heads}), found {self.dim}",
+                    path="dim",
+                )
+            n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+            if self.n_heads % n_kv:
+                raise ConfigError(
+                    f"expected n_heads ({self.n_heads}) to divide by n_kv_heads, found {n_kv}",
+                    path="n_kv_heads",
+                )
+            if self.use_rope and (self.dim // self.n_heads) % 2:
+                raise ConfigError(
+                    f"expected an even head dim (dim / n_heads) for rotary embeddings, found "
+                    f"{self.dim} / {self.n_heads} = {self.dim // self.n_heads}",
+                    path="dim",
+                )
 
         def block(self) -> TransformerBlock.Config:
             """The Config of every block.
@@ -189,8 +228,23 @@ def _flavors() -> dict[str, Any]:
 
 
 #: The reference model's spec: ``get_spec("llama-ref").config("debug").build()``.
+def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
+    """The spec's ``parallelize_fn``: the layouts the layers' Configs declare, over ``mesh["tp"]``.
+
+    Example::
+
+        model = parallelize_llama(Llama.Config().build(), mesh)
+    """
+    del job_config  # the layouts are declared in the Configs
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_name = axis_name(MeshAxisName.TP)
+    return model.parallelize(mesh[tp_name] if len(names) > 1 and tp_name in names else mesh)
+
+
 LLAMA_SPEC = ModelSpec(
     name="llama-ref",
+    model=Llama.Config(),
+    parallelize_fn=parallelize_llama,
     flavors=_flavors(),
     description="Reference Llama-style decoder (GQA, RoPE, SwiGLU), tensor parallel over 'tp'.",
 )
