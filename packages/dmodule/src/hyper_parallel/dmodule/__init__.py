@@ -10,10 +10,12 @@ Example::
 
 from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter
+from hyper_parallel.config import Configurable
+from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter, ModuleProtocolError
 from hyper_parallel.dmodule.model_spec import (
     ModelRegistry,
     ModelSpec,
+    UnknownModelError,
     get_spec,
     register_spec,
     unregister_spec,
@@ -25,14 +27,16 @@ from hyper_parallel.dmodule.sharding import (
     ShardingConfig,
     resolve_placements,
 )
-from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
+from hyper_parallel.dmodule.types import PLACEMENT_CODEC, MeshAxisName, NamedPlacement
 from hyper_parallel.dmodule.validation import ShardingError, check_sharding, validate_sharding
 
 if TYPE_CHECKING:
     from hyper_parallel.dmodule.containers import ModuleDict, ModuleList, Sequential
 
 __all__ = [
+    "PLACEMENT_CODEC",
     "BaseModel",
+    "Configurable",
     "LocalMapConfig",
     "MeshAxisName",
     "ModelConfigConverter",
@@ -41,11 +45,13 @@ __all__ = [
     "Module",
     "ModuleDict",
     "ModuleList",
+    "ModuleProtocolError",
     "NamedPlacement",
     "OutputShardings",
     "Sequential",
     "ShardingConfig",
     "ShardingError",
+    "UnknownModelError",
     "check_sharding",
     "get_spec",
     "register_spec",

@@ -391,6 +391,15 @@ class Module(_PlatformModule, Configurable):
         return new_cls
 
 
+def __getattr__(name: str) -> Any:
+    """``ModuleList``, ``ModuleDict`` and ``Sequential`` from here too, as upstream exports them."""
+    if name in ("ModuleList", "ModuleDict", "Sequential"):
+        from hyper_parallel.dmodule import containers
+
+        return getattr(containers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _reset_own_parameters(self: Any) -> None:
     self.reset_parameters()
 

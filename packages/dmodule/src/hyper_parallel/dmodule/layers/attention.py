@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule._checks import require_positive, require_positive_float
 from hyper_parallel.dmodule.layers._common import block_sharding
 from hyper_parallel.dmodule.layers.linear import Linear
 from hyper_parallel.dmodule.module import Module
@@ -88,6 +90,19 @@ class Attention(Module):
         use_rope: bool = True
         sharding_config = block_sharding(replicated_states=_ROPE_BUFFERS)
 
+        def validate(self) -> None:
+            """Sizes are ints >= 1 and the head counts divide (a ``ConfigError`` naming the field)."""
+            Module.Config.validate(self)
+            require_positive(self, "dim", "n_heads", "n_kv_heads", "max_seq_len")
+            require_positive_float(self, "rope_theta")
+            n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+            if self.dim % self.n_heads or self.n_heads % n_kv:
+                raise ConfigError(
+                    f"Attention: dim ({self.dim}) must divide by n_heads ({self.n_heads}) and "
+                    f"n_heads by n_kv_heads ({n_kv})",
+                    path="n_heads",
+                )
+
         @classmethod
         def tensor_parallel(
             cls,
@@ -112,12 +127,8 @@ class Attention(Module):
 
     def __init__(self, config: Attention.Config) -> None:
         super().__init__()
+        config.validate()  # again: a config's fields may have been set after it was made
         n_kv = config.n_kv_heads if config.n_kv_heads is not None else config.n_heads
-        if config.dim % config.n_heads or config.n_heads % n_kv:
-            raise ValueError(
-                f"Attention: dim ({config.dim}) must divide by n_heads ({config.n_heads}) and "
-                f"n_heads by n_kv_heads ({n_kv})"
-            )
         self.config = config
         self.n_heads, self.n_kv_heads = config.n_heads, n_kv
         self.head_dim = config.dim // config.n_heads

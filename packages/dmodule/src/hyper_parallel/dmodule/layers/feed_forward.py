@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hyper_parallel.dmodule._checks import require_positive
 from hyper_parallel.dmodule.layers._common import block_sharding
 from hyper_parallel.dmodule.layers.linear import Linear
 from hyper_parallel.dmodule.module import Module
@@ -40,6 +41,11 @@ class FeedForward(Module):
         dim: int = 64
         hidden_dim: int = 256
         sharding_config = block_sharding()
+
+        def validate(self) -> None:
+            """Sizes are ints >= 1 (a ``ConfigError`` naming the field)."""
+            Module.Config.validate(self)
+            require_positive(self, "dim", "hidden_dim")
 
         @classmethod
         def tensor_parallel(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hyper_parallel.dmodule._checks import require_positive
 from hyper_parallel.dmodule.layers._common import TP, normal_init, replicated, sequence_sharded
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.sharding import ShardingConfig
@@ -41,6 +42,11 @@ class Linear(Module):
         out_features: int = 64
         bias: bool = False
         param_init = {"weight": normal_init, "bias": torch.nn.init.zeros_}  # noqa: RUF012 - becomes a field
+
+        def validate(self) -> None:
+            """Feature counts are ints >= 1 (a ``ConfigError`` naming the field)."""
+            Module.Config.validate(self)
+            require_positive(self, "in_features", "out_features")
 
         @classmethod
         def colwise(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hyper_parallel.dmodule._checks import require_positive, require_positive_float
 from hyper_parallel.dmodule.layers._common import replicated, sequence_sharded
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
@@ -71,6 +72,12 @@ class RMSNorm(Module):
         param_init = {"weight": torch.nn.init.ones_}  # noqa: RUF012 - becomes a field
         sharding_config = _norm_sharding(("weight",), sequence_parallel=False)
 
+        def validate(self) -> None:
+            """``dim`` >= 1 and ``eps`` > 0 (a ``ConfigError`` naming the field)."""
+            Module.Config.validate(self)
+            require_positive(self, "dim")
+            require_positive_float(self, "eps")
+
         @classmethod
         def sequence_parallel(cls, dim: int, *, eps: float = 1e-6) -> RMSNorm.Config:
             """Sequence parallel: input and output ``Shard(1)`` (sequence) over ``tp``.
@@ -132,6 +139,12 @@ class LayerNorm(Module):
         eps: float = 1e-5
         param_init = {"weight": torch.nn.init.ones_, "bias": torch.nn.init.zeros_}  # noqa: RUF012 - becomes a field
         sharding_config = _norm_sharding(("weight", "bias"), sequence_parallel=False)
+
+        def validate(self) -> None:
+            """``dim`` >= 1 and ``eps`` > 0 (a ``ConfigError`` naming the field)."""
+            Module.Config.validate(self)
+            require_positive(self, "dim")
+            require_positive_float(self, "eps")
 
         @classmethod
         def sequence_parallel(cls, dim: int, *, eps: float = 1e-5) -> LayerNorm.Config:

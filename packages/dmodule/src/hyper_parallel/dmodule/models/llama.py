@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.config import ConfigError
-from hyper_parallel.dmodule._checks import require_positive
+from hyper_parallel.dmodule._checks import require_positive, require_positive_float
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import (
@@ -85,14 +85,17 @@ class Llama(BaseModel):
                 hyper_parallel.config.errors.ConfigError: n_heads: expected an int >= 1, found 0
             """
             BaseModel.Config.validate(self)
-            for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
-                require_positive(self, name)
-            if self.n_kv_heads is not None:
-                require_positive(self, "n_kv_heads")
-            for name in ("norm_eps", "rope_theta"):
-                value = getattr(self, name)
-                if not value > 0 or value == float("inf"):
-                    raise ConfigError(f"expected a finite float > 0, found {value!r}", path=name)
+            require_positive(
+                self,
+                "vocab_size",
+                "dim",
+                "n_layers",
+                "n_heads",
+                "n_kv_heads",
+                "ffn_dim",
+                "max_seq_len",
+            )
+            require_positive_float(self, "norm_eps", "rope_theta")
             if self.dim % self.n_heads:
                 raise ConfigError(
                     f"expected dim to divide by n_heads ({self.n_heads}), found {self.dim}",
