@@ -22,6 +22,7 @@ from hyper_parallel.config.configurable import (
     TraverseParent,
     enforce_module_config_slots,
 )
+from hyper_parallel.config.data import dataclass_from_dict, dataclass_to_dict
 from hyper_parallel.config.errors import ConfigError, ConfigTypeError, UnboundConfigError
 from hyper_parallel.config.leaf_codec import LeafCodec
 
@@ -34,6 +35,8 @@ __all__ = [
     "TraverseParent",
     "UnboundConfigError",
     "check_fields",
+    "dataclass_from_dict",
+    "dataclass_to_dict",
     "enforce_module_config_slots",
     "load_config",
     "parse_cli_overrides",

@@ -141,8 +141,9 @@ class Configurable:
             if clashes:
                 raise ConfigError(
                     f"{format_type(cls)}.build(): expected runtime-only keyword arguments, found "
-                    f"{', '.join(map(repr, clashes))} naming config fields (set them with "
-                    f".replace(...) before build; 'config' is passed by build itself)"
+                    f"{', '.join(map(repr, clashes))} naming config fields (they overlap the "
+                    f"Config: set them with .replace(...) before build; 'config' is passed by "
+                    f"build itself)"
                 )
             return owner(config=copy_tree(self), **runtime_kwargs)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
-from hyper_parallel.config import check_fields
+from hyper_parallel.config import check_fields, dataclass_from_dict, dataclass_to_dict
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import Placement, Replicate
 
@@ -18,6 +18,36 @@ __all__ = [
     "resolve_placements",
 ]
 
+_S = TypeVar("_S", "LocalMapConfig", "ShardingConfig")
+
+
+class _DictData:
+    """``to_dict``/``from_dict`` in hp-config's format, placements by the placement codec."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON data: placements as ``"Shard(0)"``, ``"Replicate()"``, ``"Partial(sum)"``.
+
+        Example::
+
+            >>> from hyper_parallel.dtensor import Shard
+            >>> ShardingConfig(state_shardings={"weight": {"tp": Shard(0)}}).to_dict()["state_shardings"]
+            {'weight': {'tp': 'Shard(0)'}}
+        """
+        return dataclass_to_dict(self)
+
+    @classmethod
+    def from_dict(cls: type[_S], data: dict[str, Any]) -> _S:
+        """Rebuild from :meth:`to_dict` data (a ``ConfigError`` names a bad path).
+
+        Example::
+
+            >>> ShardingConfig.from_dict({"state_shardings": {"weight": {"tp": "Shard(0)"}}})
+            ShardingConfig(state_shardings={'weight': {'tp': Shard(dim=0)}}, in_src_shardings=None, in_dst_shardings=None, out_src_shardings=None, out_dst_shardings=None, local_map=None)
+        """
+        return dataclass_from_dict(cls, data)
+
 OutputShardings: TypeAlias = (
     NamedPlacement | Sequence[NamedPlacement | None] | Mapping[str, NamedPlacement | None]
 )
@@ -28,7 +58,7 @@ GradPlacements: TypeAlias = tuple[NamedPlacement | None, ...] | dict[str, NamedP
 
 
 @dataclass(frozen=True, kw_only=True)
-class LocalMapConfig:
+class LocalMapConfig(_DictData):
     """Run ``forward`` on local shards (no DTensor dispatch inside the block).
 
     ``in_grad_placements`` gives the placements an input's gradient has when it flows
@@ -54,7 +84,7 @@ class LocalMapConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardingConfig:
+class ShardingConfig(_DictData):
     """Declared layouts of one module, by mesh axis name (unnamed axes replicate).
 
     - ``state_shardings``: parameter or buffer path (``"weight"``, ``"proj.bias"``) →

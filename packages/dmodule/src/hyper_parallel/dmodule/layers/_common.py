@@ -2,21 +2,47 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
 from hyper_parallel.dtensor import Partial, Replicate, Shard
 
-__all__ = ["TP", "block_sharding", "normal_init", "replicated", "sequence_sharded"]
+__all__ = [
+    "TP",
+    "block_sharding",
+    "normal_init",
+    "replicated",
+    "sequence_sharded",
+    "standard_normal_init",
+]
 
 TP = MeshAxisName.TP
 
-#: N(0, 0.02): the initializer of every projection (fan-in free, so a sharded weight
-#: initialises exactly like the full one).
-normal_init = partial(torch.nn.init.normal_, mean=0.0, std=0.02)
+def normal_init(tensor: torch.Tensor) -> torch.Tensor:
+    """N(0, 0.02) in place: the initializer of every projection.
+
+    Fan-in free, so a sharded weight initialises exactly like the full one; a module-level
+    function (not a ``functools.partial``), so a config holding it round-trips through
+    ``to_dict``/``from_dict`` to an equal config.
+
+    Example::
+
+        >>> normal_init(torch.empty(3)).shape
+        torch.Size([3])
+    """
+    return torch.nn.init.normal_(tensor, mean=0.0, std=0.02)
+
+
+def standard_normal_init(tensor: torch.Tensor) -> torch.Tensor:
+    """N(0, 1) in place (``nn.Embedding``'s default), as a round-trippable function.
+
+    Example::
+
+        >>> standard_normal_init(torch.empty(3)).shape
+        torch.Size([3])
+    """
+    return torch.nn.init.normal_(tensor, mean=0.0, std=1.0)
 
 
 def replicated() -> NamedPlacement:

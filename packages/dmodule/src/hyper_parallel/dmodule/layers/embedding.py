@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from hyper_parallel.dmodule._checks import require_positive
-from hyper_parallel.dmodule.layers._common import TP, replicated, sequence_sharded
+from hyper_parallel.dmodule.layers._common import (
+    TP,
+    replicated,
+    sequence_sharded,
+    standard_normal_init,
+)
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import Shard
@@ -40,7 +44,7 @@ class Embedding(Module):
 
         num_embeddings: int = 256
         embedding_dim: int = 64
-        param_init = {"weight": partial(torch.nn.init.normal_, mean=0.0, std=1.0)}  # noqa: RUF012 - becomes a field
+        param_init = {"weight": standard_normal_init}  # noqa: RUF012 - becomes a field
 
         def validate(self) -> None:
             """Sizes are ints >= 1 (a ``ConfigError`` naming the field)."""
