@@ -432,9 +432,8 @@ class Decoder:
             except ConfigError as err:
                 errors.append(err)
         deeper = [e for e in errors if e.path != path]
-        if (
-            len(deeper) == 1
-        ):  # only one member got past the first level: its error is the useful one
+        # the members that got past the first level, if they agree where it went wrong
+        if deeper and len({e.path for e in deeper}) == 1:
             raise deeper[0]
         raise _mismatch(path, ann, data)
 

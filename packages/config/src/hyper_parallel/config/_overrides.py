@@ -181,7 +181,7 @@ def parse_text(text: str, declared: object, path: str, decoder: Decoder) -> Any:
             except ConfigError as err:
                 errors.append(err)
         deeper = [e for e in errors if e.path != path]
-        if len(deeper) == 1:
+        if deeper and len({e.path for e in deeper}) == 1:  # they agree where it went wrong
             raise deeper[0]
         raise _bad(path, ann, text)
     origin = typing.get_origin(ann)

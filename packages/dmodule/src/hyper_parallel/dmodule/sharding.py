@@ -48,6 +48,7 @@ class _DictData:
         """
         return dataclass_from_dict(cls, data)
 
+
 OutputShardings: TypeAlias = (
     NamedPlacement | Sequence[NamedPlacement | None] | Mapping[str, NamedPlacement | None]
 )
@@ -123,6 +124,9 @@ class ShardingConfig(_DictData):
     local_map: LocalMapConfig | None = None
 
     def __post_init__(self) -> None:
+        for name in ("out_src_shardings", "out_dst_shardings"):
+            if isinstance(getattr(self, name), list):  # one canonical form, as from_dict reads it
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         check_fields(self)
 
 

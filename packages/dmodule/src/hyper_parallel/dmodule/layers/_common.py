@@ -19,6 +19,7 @@ __all__ = [
 
 TP = MeshAxisName.TP
 
+
 def normal_init(tensor: torch.Tensor) -> torch.Tensor:
     """N(0, 0.02) in place: the initializer of every projection.
 
