@@ -125,9 +125,7 @@ def test_in_grad_placements_takes_upstreams_positional_tuple() -> None:
 
 def test_local_map_config_is_checked_when_made() -> None:
     as_list: Any = [{TP: Partial()}]  # upstream annotates a tuple; a list is taken as one
-    assert LocalMapConfig(in_grad_placements=as_list).in_grad_placements == (
-        {TP: Partial()},
-    )
+    assert LocalMapConfig(in_grad_placements=as_list).in_grad_placements == ({TP: Partial()},)
     with pytest.raises(TypeError, match=r"in_grad_placements"):
         LocalMapConfig(in_grad_placements=(Partial(),))  # type: ignore[arg-type]
 
