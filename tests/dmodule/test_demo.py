@@ -56,3 +56,54 @@ def test_demo_rejects_bad_options_before_starting_ranks() -> None:
     assert "--batch-size 8 must divide by --dp 3" in done.stderr
     done = _demo(["--model.dimm=3"])
     assert done.returncode == 2
+
+
+def test_demo_flag_without_a_value_is_a_usage_error() -> None:
+    done = _demo(["--tp", "2", "--model.dim"])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "error: --model.dim: expected a value ('--model.dim=VALUE' or '--model.dim VALUE')" in (
+        done.stderr
+    )
+    assert "Traceback" not in done.stderr
+
+
+STALL = {"HP_DEMO_STALL_RANK": "1", "HP_DEMO_STALL_STEP": "2"}
+
+
+def test_demo_stalled_rank_is_named_with_stacks_by_the_built_in_launcher(tmp_path: Path) -> None:
+    start = time.monotonic()
+    args = ["--steps", "3", "--seq-len", "8", "--timeout", "20", "--plot", str(tmp_path / "p.png")]
+    done = _demo([*args, *TINY], STALL)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stdout + done.stderr
+    err = done.stderr
+    assert "demo FAILED" in err and "timed out after 20 s" in err
+    assert "ranks [1] did not arrive at the collective that ranks [0] wait in" in err
+    assert "rank 1 did not arrive at a collective: it is at " in err and "in train_rank" in err
+    assert "--- rank 0 Python stack" in err and "--- rank 1 Python stack" in err
+    assert elapsed < 200
+
+
+def test_demo_stalled_rank_under_torchrun_ends_at_the_timeout_naming_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(STALL)
+    start = time.monotonic()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+            *("-m", "hyper_parallel.dmodule.demo", "--tp", "2", "--steps", "3", "--seq-len", "8"),
+            *("--timeout", "20", "--plot", str(tmp_path / "p.png"), *TINY),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    elapsed = time.monotonic() - start
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "[rank 1] stall watchdog: no end after 20 s; rank 1 did not arrive" in out
+    assert "[rank 0] stall watchdog: no end after 20 s; rank 0 waits in torch.distributed" in out
+    assert "ranks [1] did not arrive at the collective the others wait in" in out
+    assert "in train_rank" in out  # each rank's Python stack
+    assert elapsed < 20 + 120  # not the process group's timeout (20 s + 60 s margin)

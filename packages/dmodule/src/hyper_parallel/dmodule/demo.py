@@ -36,6 +36,9 @@ RELATIVE_TOLERANCE = 1e-4
 #: Hidden fault injection (tests): this rank raises at step HP_DEMO_CRASH_STEP (default 1).
 CRASH_RANK_ENV = "HP_DEMO_CRASH_RANK"
 CRASH_STEP_ENV = "HP_DEMO_CRASH_STEP"
+#: Hidden stall injection (tests): this rank stops (sleeps) at step HP_DEMO_STALL_STEP (default 1).
+STALL_RANK_ENV = "HP_DEMO_STALL_RANK"
+STALL_STEP_ENV = "HP_DEMO_STALL_STEP"
 
 
 class DemoJob(Configurable):
@@ -84,7 +87,6 @@ def parse_args(argv: Sequence[str]) -> Options:
         >>> parse_args(["--tp", "2", "--model.dim=32"]).model.dim
         32
     """
-    overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.dmodule.demo",
         description="Train the llama-ref model tensor parallel on local processes and check "
@@ -101,6 +103,10 @@ def parse_args(argv: Sequence[str]) -> Options:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
     parser.add_argument("--plot", default="out/loss_curve.png", help="loss-curve PNG path")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    try:
+        overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
+    except ConfigError as error:  # e.g. `--model.dim` as the last argument: a usage error
+        parser.error(error.message)
     args = parser.parse_args(rest)
     try:
         model = DemoJob.Config().apply_overrides(overrides).model
@@ -176,6 +182,8 @@ def train_rank(options: Options) -> RankReport | None:
     dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
     crash_rank = os.environ.get(CRASH_RANK_ENV)
     crash_step = int(os.environ.get(CRASH_STEP_ENV, "1"))
+    stall_rank = os.environ.get(STALL_RANK_ENV)
+    stall_step = int(os.environ.get(STALL_STEP_ENV, "1"))
     losses: list[float] = []
     seconds: list[float] = []
     counts: Counter[str] = Counter()
@@ -183,6 +191,8 @@ def train_rank(options: Options) -> RankReport | None:
     for step in range(1, options.steps + 1):
         if crash_rank is not None and int(crash_rank) == rank and step == crash_step:
             raise RuntimeError(f"injected crash on rank {rank} at step {step} ({CRASH_RANK_ENV})")
+        if stall_rank is not None and int(stall_rank) == rank and step == stall_step:
+            time.sleep(3600)  # injected stall: the other ranks wait in this step's collectives
         start = time.perf_counter()
         tokens, targets = synthetic_batch(
             step,
@@ -374,6 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main_torchrun(options: Options, world: int, start: float) -> int:
     """Under torchrun: this process is one rank; rank 0 also runs the reference and reports."""
+    from hyper_parallel.platform_torch.launch import PROCESS_GROUP_MARGIN_S
+    from hyper_parallel.platform_torch.stalls import stall_watchdog
+
     platform = get_platform()
     if int(os.environ["WORLD_SIZE"]) != world:
         print(
@@ -383,9 +396,12 @@ def _main_torchrun(options: Options, world: int, start: float) -> int:
         return 2
     if options.device == "cpu":
         torch.set_num_threads(1)
-    platform.init_process_group(options.device, timeout_s=_TIMEOUT[0])
+    # The watchdog (--timeout) reports a stall, naming the ranks that did not arrive, and ends
+    # this rank so that torchrun stops the others: before any collective's own timeout.
+    platform.init_process_group(options.device, timeout_s=_TIMEOUT[0] + PROCESS_GROUP_MARGIN_S)
     try:
-        result = train_rank(options)
+        with stall_watchdog(_TIMEOUT[0]):
+            result = train_rank(options)
         status = 0
         if result is not None:
             reference = train_reference(options)

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -26,8 +28,16 @@ import torch.distributed as dist
 
 from hyper_parallel.platform_torch import comm
 from hyper_parallel.platform_torch.devices import backend_for
+from hyper_parallel.platform_torch.stalls import (
+    STACK_SIGNAL,
+    RankStack,
+    describe_stall,
+    parse_stack,
+    register_stack_dump,
+    stack_file,
+)
 
-__all__ = ["DistributedRunError", "StartMethod", "run_distributed"]
+__all__ = ["PROCESS_GROUP_MARGIN_S", "DistributedRunError", "StartMethod", "run_distributed"]
 
 R = TypeVar("R")
 StartMethod = Literal["forkserver", "spawn"]
@@ -43,6 +53,11 @@ _PRELOAD = ["torch", "torch.distributed", "torch._meta_registrations", __name__]
 # After the first failure, how long to let the other ranks report before killing them.
 _FAILURE_GRACE_S = 2.0
 _EXIT_PARENT_GONE = 70
+# The process group's timeout is the run's plus this, so that on a stall the launcher (which
+# names the ranks that did not arrive) reports before a waiting rank's collective times out.
+PROCESS_GROUP_MARGIN_S = 60.0
+# How long the ranks get to write their stacks after SIGUSR1.
+_STACK_GRACE_S = 3.0
 
 
 class DistributedRunError(RuntimeError):
@@ -50,13 +65,25 @@ class DistributedRunError(RuntimeError):
 
     ``failures`` maps each failing rank to its traceback (or exit description), in
     the order the failures arrived (the first is usually the cause);
-    ``unfinished`` lists the ranks that were still running when the run was stopped.
+    ``unfinished`` lists the ranks that were still running when the run was stopped;
+    after a timeout, ``stacks`` holds each unfinished rank's Python stack (faulthandler)
+    and ``not_arrived`` the ranks the others were waiting for in a collective.
     """
 
-    def __init__(self, message: str, failures: Mapping[int, str], unfinished: Sequence[int]):
+    def __init__(
+        self,
+        message: str,
+        failures: Mapping[int, str],
+        unfinished: Sequence[int],
+        *,
+        stacks: Mapping[int, str] | None = None,
+        not_arrived: Sequence[int] = (),
+    ):
         super().__init__(message)
         self.failures = dict(failures)
         self.unfinished = list(unfinished)
+        self.stacks = dict(stacks or {})
+        self.not_arrived = list(not_arrived)
 
 
 def run_distributed(
@@ -81,8 +108,11 @@ def run_distributed(
     The process group is destroyed when ``fn`` returns.
 
     Raises ``DistributedRunError`` naming every failing rank with its traceback,
-    or, after ``timeout_s``, the ranks that had not finished; the other ranks are
-    killed, never left behind. Ctrl-C kills all ranks and re-raises.
+    or, after ``timeout_s``, the ranks that had not finished, which of them wait in a
+    collective and which ranks did not arrive, with each unfinished rank's Python stack;
+    the other ranks are killed, never left behind. Ctrl-C kills all ranks and re-raises.
+    The process group's timeout is ``timeout_s`` plus :data:`PROCESS_GROUP_MARGIN_S`, so
+    a stall is reported by the launcher, not by a collective timing out first.
 
     ``preload`` names modules the forkserver imports once, so that ranks start
     with them loaded; it takes effect only when this process's forkserver is
@@ -130,6 +160,8 @@ def run_distributed(
     processes: list[BaseProcess] = []
     readers: list[Connection] = []
     keep_alive: list[Connection] = []
+    stack_dir = tempfile.TemporaryDirectory(prefix="hp-stacks-")
+    stacks: dict[int, RankStack] = {}
     try:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)
@@ -137,7 +169,15 @@ def run_distributed(
             rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             process: BaseProcess = context.Process(
                 target=_run_rank,
-                args=(payload, rank_env, device_type, timeout_s, writer, alive_reader),
+                args=(
+                    payload,
+                    rank_env,
+                    device_type,
+                    timeout_s,
+                    writer,
+                    alive_reader,
+                    stack_dir.name,
+                ),
                 name=f"hyper-parallel-rank-{rank}",
             )
             process.start()
@@ -150,16 +190,23 @@ def run_distributed(
         if not (failures or unfinished):
             for finished in processes:  # let every rank finish tearing down its group
                 finished.join(timeout=5.0)
+        if timed_out:
+            stacks = _collect_stacks(processes, unfinished, Path(stack_dir.name))
     finally:
         _stop(processes, keep_alive)
         for reader in readers:
             reader.close()
         del store
+        stack_dir.cleanup()
     if failures or unfinished:
+        not_arrived, stall_lines = describe_stall(stacks, sorted(results)) if stacks else ([], [])
         raise DistributedRunError(
-            _failure_message(fn, world_size, timeout_s, failures, unfinished, timed_out),
+            _failure_message(fn, world_size, timeout_s, failures, unfinished, timed_out)
+            + _stall_message(stacks, stall_lines),
             failures,
             unfinished,
+            stacks={rank: stack.text for rank, stack in stacks.items()},
+            not_arrived=not_arrived,
         )
     return [results[rank] for rank in range(world_size)]
 
@@ -209,6 +256,42 @@ def _read_report(process: BaseProcess, reader: Connection) -> tuple[str, Any] | 
     if process.is_alive():
         return None
     return "error", f"process exited with {_describe_exit(process.exitcode)} without a result"
+
+
+def _collect_stacks(
+    processes: list[BaseProcess], ranks: Sequence[int], directory: Path
+) -> dict[int, RankStack]:
+    """Ask every rank in ``ranks`` for its Python stack (SIGUSR1 → faulthandler) and read them."""
+    asked = []
+    for rank in ranks:
+        pid = processes[rank].pid
+        if pid is not None and processes[rank].is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, STACK_SIGNAL)
+                asked.append(rank)
+    paths = {rank: stack_file(directory, rank) for rank in asked}
+    deadline = time.monotonic() + _STACK_GRACE_S
+    while time.monotonic() < deadline and not all(
+        p.exists() and p.stat().st_size > 0 for p in paths.values()
+    ):
+        time.sleep(0.05)
+    time.sleep(0.2)  # faulthandler writes the whole dump at once; let the last one finish
+    found = {}
+    for rank in ranks:
+        path = paths.get(rank)
+        text = path.read_text() if path is not None and path.exists() else ""
+        found[rank] = parse_stack(text) if text else RankStack("", None, "unknown (no stack)")
+    return found
+
+
+def _stall_message(stacks: Mapping[int, RankStack], lines: Sequence[str]) -> str:
+    if not stacks:
+        return ""
+    parts = ["", *lines]
+    for rank, stack in sorted(stacks.items()):
+        text = stack.text.rstrip() or "(no stack: the rank did not answer SIGUSR1)"
+        parts.append(f"--- rank {rank} Python stack (most recent call first) ---\n{text}")
+    return "\n".join(parts)
 
 
 def _stop(processes: list[BaseProcess], keep_alive: list[Connection]) -> None:
@@ -287,17 +370,21 @@ def _run_rank(
     timeout_s: float,
     writer: Connection,
     alive_reader: Connection,
+    stack_dir: str,
 ) -> None:
     """Body of one rank's process: set up, run ``fn``, report, tear down."""
     _exit_when_parent_dies(alive_reader)
     os.environ.clear()
     os.environ.update(env)
+    rank = int(env["RANK"])
+    stack_out = open(stack_file(Path(stack_dir), rank), "w")  # noqa: SIM115 - open while fn runs
+    register_stack_dump(stack_out)
     report: bytes
     try:
         if device_type == "cpu":
             torch.set_num_threads(1)
         fn, args, kwargs = pickle.loads(payload)
-        comm.init_process_group(device_type, timeout_s=timeout_s)
+        comm.init_process_group(device_type, timeout_s=timeout_s + PROCESS_GROUP_MARGIN_S)
         result = fn(*args, **kwargs)
         try:
             report = pickle.dumps(("ok", result))
