@@ -30,6 +30,7 @@ __all__ = [
     "describe_stall",
     "parse_stack",
     "register_stack_dump",
+    "stack_file",
     "stall_watchdog",
 ]
 
@@ -247,5 +248,11 @@ def _share_status(rank: int, world: int, stack: RankStack) -> str:
 
 
 def stack_file(directory: Path, rank: int) -> Path:
-    """Where rank ``rank`` of :func:`run_distributed` writes its stack dump."""
+    """Where rank ``rank`` of ``run_distributed`` writes its stack dump.
+
+    Example::
+
+        >>> stack_file(Path("/tmp/stacks"), 1).name
+        'rank-1.stack'
+    """
     return directory / f"rank-{rank}.stack"
