@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
@@ -12,6 +13,8 @@ from typing import Any, Literal, Union
 from hyper_parallel.config.errors import ConfigError
 
 __all__ = [
+    "MAPPING_ORIGINS",
+    "SEQUENCE_ORIGINS",
     "format_type",
     "init_fields",
     "is_any",
@@ -19,6 +22,10 @@ __all__ = [
     "strip_annotated",
     "union_members",
 ]
+
+#: Annotations read as lists / as dicts.
+SEQUENCE_ORIGINS = (list, collections.abc.Sequence, collections.abc.MutableSequence)
+MAPPING_ORIGINS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
 
 # Resolving annotations (get_type_hints) is the slow part of from_dict; classes never change
 # their annotations once created, so a weak per-class cache is safe and frees dead classes.

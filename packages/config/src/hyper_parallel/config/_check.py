@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import sys
 import typing
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 from hyper_parallel.config._annotations import (
+    MAPPING_ORIGINS,
+    SEQUENCE_ORIGINS,
     format_type,
     init_fields,
     is_any,
@@ -19,15 +23,31 @@ from hyper_parallel.config._annotations import (
     strip_annotated,
     union_members,
 )
-from hyper_parallel.config._codec import MAPPING_ORIGINS, SEQUENCE_ORIGINS
 from hyper_parallel.config.errors import ConfigError, ConfigTypeError, describe, join_path
 from hyper_parallel.config.leaf_codec import leaf_codec
 
-__all__ = ["check_fields", "check_value"]
+__all__ = ["check_fields", "check_value", "checked_elsewhere"]
 
 # Field name -> annotation for the fields whose annotation resolves (a Config declared in a
 # function may name local classes in string annotations; those fields are not checked).
 _CHECKABLE: weakref.WeakKeyDictionary[type, dict[str, object]] = weakref.WeakKeyDictionary()
+
+
+# Set while from_dict / apply_overrides construct nodes from values they already coerced
+# by the same annotations: checking them again would only cost time.
+_CHECKED_ELSEWHERE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hp_config_checked_elsewhere", default=False
+)
+
+
+@contextlib.contextmanager
+def checked_elsewhere() -> Iterator[None]:
+    """Within the block, :func:`check_fields` trusts the values (the caller checked them)."""
+    token = _CHECKED_ELSEWHERE.set(True)
+    try:
+        yield
+    finally:
+        _CHECKED_ELSEWHERE.reset(token)
 
 
 def check_fields(config: object) -> None:
@@ -44,6 +64,8 @@ def check_fields(config: object) -> None:
         ...
         hyper_parallel.config.errors.ConfigTypeError: size: expected int, found str '2'
     """
+    if _CHECKED_ELSEWHERE.get():
+        return
     cls = type(config)
     for name, annotation in _checkable_types(cls).items():
         check_value(getattr(config, name), annotation, name)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias, cast
 
 from hyper_parallel.config._annotations import (
+    MAPPING_ORIGINS,
+    SEQUENCE_ORIGINS,
     format_type,
     init_fields,
     is_any,
@@ -19,6 +21,7 @@ from hyper_parallel.config._annotations import (
     strip_annotated,
     union_members,
 )
+from hyper_parallel.config._check import checked_elsewhere
 from hyper_parallel.config.errors import (
     ConfigError,
     describe,
@@ -52,9 +55,6 @@ CALLABLE_TAG = "_callable_"
 """``{"_callable_": "module:qualname"}``: an importable function or class."""
 PARTIAL_TAG = "_partial_"
 """``{"_partial_": "module:qualname", "args": [...], "kwargs": {...}}``: a functools.partial."""
-
-SEQUENCE_ORIGINS = (list, collections.abc.Sequence, collections.abc.MutableSequence)
-MAPPING_ORIGINS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
 
 
 def class_ref(obj: Any) -> str:
@@ -165,16 +165,38 @@ class _Encoder:
 
 def _codec_for(declared: object, value: object) -> LeafCodec | None:
     """The codec in ``declared`` (or one of its union members) that ``value`` is an instance of."""
-    codec = leaf_codec(declared)
-    if codec is not None:
-        return codec if isinstance(value, codec.type) else None
-    for member in union_members(strip_annotated(declared)) or ():
-        codec = leaf_codec(member)
-        if codec is not None and isinstance(value, codec.type):
+    for codec in _codecs_of(declared):
+        if isinstance(value, codec.type):
             return codec
     return None
 
 
+def _cached(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Memoise on hashable annotations (most are); compute unhashable ones every time."""
+    memo: dict[Any, Any] = {}
+
+    def lookup(*args: Any) -> Any:
+        try:
+            return memo[args]
+        except KeyError:
+            found = memo[args] = function(*args)
+            return found
+        except TypeError:
+            return function(*args)
+
+    return lookup
+
+
+@_cached
+def _codecs_of(declared: object) -> tuple[LeafCodec, ...]:
+    codec = leaf_codec(declared)
+    if codec is not None:
+        return (codec,)
+    members = union_members(strip_annotated(declared)) or ()
+    return tuple(c for c in map(leaf_codec, members) if c is not None)
+
+
+@_cached
 def _members_of_kind(declared: object, origins: tuple[object, ...]) -> list[object]:
     """The members of ``declared`` (a union or one type) whose container kind is in ``origins``."""
     declared = strip_annotated(declared)
@@ -377,7 +399,8 @@ class Decoder:
                 path=path,
             )
         try:
-            return cls(**kwargs)
+            with checked_elsewhere():  # every value was just decoded by its annotation
+                return cls(**kwargs)
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
                 raise relocate(err, path) from err

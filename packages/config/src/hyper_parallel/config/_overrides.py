@@ -19,6 +19,7 @@ from hyper_parallel.config._annotations import (
     strip_annotated,
     union_members,
 )
+from hyper_parallel.config._check import checked_elsewhere
 from hyper_parallel.config._codec import (
     MAPPING_ORIGINS,
     SEQUENCE_ORIGINS,
@@ -86,7 +87,8 @@ def _set_at(
             )
         value = new_value(getattr(node, step), resolved_field_types(cls)[step])
         try:
-            return dataclasses.replace(node, **{step: value})
+            with checked_elsewhere():  # the value was parsed by this field's annotation
+                return dataclasses.replace(node, **{step: value})
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
                 raise relocate(err, path) from err

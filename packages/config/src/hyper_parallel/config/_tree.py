@@ -23,47 +23,63 @@ def copy_tree(value: _T) -> _T:
     shares nothing (the same as ``to_dict``/``from_dict`` would give). A node that contains
     itself is a ``ConfigError`` naming the path.
     """
-    copied: _T = _copy(value, {}, "")
+    copied: _T = _copy(value, {}, [])
     return copied
 
 
-def _copy(value: Any, active: dict[int, str], path: str) -> Any:
+def _copy(value: Any, active: dict[int, int], trail: list[object]) -> Any:
+    """``trail``: the keys from the root to ``value`` (paths are only spelt out for an error)."""
     cls = type(value)
-    is_node = cls in (list, dict, tuple, set) or (
+    if cls in (list, dict, tuple, set) or (
         dataclasses.is_dataclass(value) and not isinstance(value, type)
-    )
-    if not is_node:
-        if isinstance(value, (list, dict, set)):  # subclasses of containers: keep their type
-            return copy.deepcopy(value, {})
+    ):
+        pass
+    elif isinstance(value, (list, dict, set)):  # subclasses of containers: keep their type
+        return copy.deepcopy(value, {})
+    else:
         return value  # callables, placements, enums, scalars, tensors: kept as they are
-    seen = active.get(id(value))
-    if seen is not None:
+    key = id(value)
+    if key in active:
         raise ConfigError(
-            f"cannot copy a cyclic config: this value is its own ancestor at {seen or '<root>'!r}",
-            path=path,
+            f"cannot copy a cyclic config: this value is its own ancestor at "
+            f"{_spell(trail[: active[key]]) or '<root>'!r}",
+            path=_spell(trail),
         )
-    active[id(value)] = path
+    active[key] = len(trail)
     try:
         if cls is list:
-            return [_copy(v, active, join_path(path, i)) for i, v in enumerate(value)]
+            return [_copy_item(v, i, active, trail) for i, v in enumerate(value)]
         if cls is dict:
-            return {k: _copy(v, active, join_path(path, k)) for k, v in value.items()}
+            return {k: _copy_item(v, k, active, trail) for k, v in value.items()}
         if cls is tuple:
-            items = tuple(_copy(v, active, join_path(path, i)) for i, v in enumerate(value))
+            items = tuple(_copy_item(v, i, active, trail) for i, v in enumerate(value))
             return value if all(a is b for a, b in zip(items, value, strict=True)) else items
         if cls is set:
-            return {_copy(v, active, path) for v in value}
-        return _copy_dataclass(value, active, path)
+            return {_copy(v, active, trail) for v in value}
+        return _copy_dataclass(value, active, trail)
     finally:
-        del active[id(value)]
+        del active[key]
 
 
-def _copy_dataclass(value: Any, active: dict[int, str], path: str) -> Any:
+def _copy_item(value: Any, key: object, active: dict[int, int], trail: list[object]) -> Any:
+    trail.append(key)
+    try:
+        return _copy(value, active, trail)
+    finally:
+        trail.pop()
+
+
+def _spell(trail: list[object]) -> str:
+    path = ""
+    for key in trail:
+        path = join_path(path, key)
+    return path
+
+
+def _copy_dataclass(value: Any, active: dict[int, int], trail: list[object]) -> Any:
     frozen = type(value).__dataclass_params__.frozen
     fields = dataclasses.fields(value)
-    copied = {
-        f.name: _copy(getattr(value, f.name), active, join_path(path, f.name)) for f in fields
-    }
+    copied = {f.name: _copy_item(getattr(value, f.name), f.name, active, trail) for f in fields}
     if frozen and all(copied[f.name] is getattr(value, f.name) for f in fields):
         return value  # immutable and holds nothing mutable: share it, like a placement
     new = copy.copy(value)
