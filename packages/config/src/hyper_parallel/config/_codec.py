@@ -165,7 +165,8 @@ class _Encoder:
 
 def _codec_for(declared: object, value: object) -> LeafCodec | None:
     """The codec in ``declared`` (or one of its union members) that ``value`` is an instance of."""
-    for codec in _codecs_of(declared):
+    codecs: tuple[LeafCodec, ...] = _codecs_of(declared)
+    for codec in codecs:
         if isinstance(value, codec.type):
             return codec
     return None
