@@ -36,9 +36,6 @@ RELATIVE_TOLERANCE = 1e-4
 #: Hidden fault injection (tests): this rank raises at step HP_DEMO_CRASH_STEP (default 1).
 CRASH_RANK_ENV = "HP_DEMO_CRASH_RANK"
 CRASH_STEP_ENV = "HP_DEMO_CRASH_STEP"
-#: Hidden stall injection (tests): this rank stops (sleeps) at step HP_DEMO_STALL_STEP (default 1).
-STALL_RANK_ENV = "HP_DEMO_STALL_RANK"
-STALL_STEP_ENV = "HP_DEMO_STALL_STEP"
 
 
 class DemoJob(Configurable):
@@ -182,8 +179,6 @@ def train_rank(options: Options) -> RankReport | None:
     dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
     crash_rank = os.environ.get(CRASH_RANK_ENV)
     crash_step = int(os.environ.get(CRASH_STEP_ENV, "1"))
-    stall_rank = os.environ.get(STALL_RANK_ENV)
-    stall_step = int(os.environ.get(STALL_STEP_ENV, "1"))
     losses: list[float] = []
     seconds: list[float] = []
     counts: Counter[str] = Counter()
@@ -191,8 +186,6 @@ def train_rank(options: Options) -> RankReport | None:
     for step in range(1, options.steps + 1):
         if crash_rank is not None and int(crash_rank) == rank and step == crash_step:
             raise RuntimeError(f"injected crash on rank {rank} at step {step} ({CRASH_RANK_ENV})")
-        if stall_rank is not None and int(stall_rank) == rank and step == stall_step:
-            time.sleep(3600)  # injected stall: the other ranks wait in this step's collectives
         start = time.perf_counter()
         tokens, targets = synthetic_batch(
             step,
