@@ -23,7 +23,13 @@ from hyper_parallel.config._annotations import (
     strip_annotated,
     union_members,
 )
-from hyper_parallel.config.errors import ConfigError, ConfigTypeError, describe, join_path
+from hyper_parallel.config.errors import (
+    ConfigError,
+    ConfigTypeError,
+    describe,
+    join_path,
+    union_error,
+)
 from hyper_parallel.config.leaf_codec import leaf_codec
 
 __all__ = ["check_fields", "check_value", "checked_elsewhere"]
@@ -174,11 +180,7 @@ class _Checker:
                 return
             except ConfigError as err:
                 errors.append(err)
-        deeper = [e for e in errors if e.path != path]
-        # the members that got past the first level, if they agree where it went wrong
-        if deeper and len({e.path for e in deeper}) == 1:
-            raise deeper[0]
-        raise _mismatch(path, ann, value)
+        raise union_error(errors, path, _mismatch(path, ann, value))
 
     def _check_sequence(self, value: object, ann: object, origin: object, path: str) -> None:
         container = origin if origin is not None else ann

@@ -28,6 +28,7 @@ from hyper_parallel.config.errors import (
     did_you_mean,
     join_path,
     relocate,
+    union_error,
 )
 from hyper_parallel.config.leaf_codec import LeafCodec, leaf_codec
 
@@ -455,11 +456,7 @@ class Decoder:
                 return self.decode(data, member, path)
             except ConfigError as err:
                 errors.append(err)
-        deeper = [e for e in errors if e.path != path]
-        # the members that got past the first level, if they agree where it went wrong
-        if deeper and len({e.path for e in deeper}) == 1:
-            raise deeper[0]
-        raise _mismatch(path, ann, data)
+        raise union_error(errors, path, _mismatch(path, ann, data))
 
     def _decode_tuple(self, data: object, ann: object, path: str) -> tuple[Any, ...]:
         if not isinstance(data, (list, tuple)):

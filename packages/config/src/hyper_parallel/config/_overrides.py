@@ -29,7 +29,14 @@ from hyper_parallel.config._codec import (
     mapping_types,
 )
 from hyper_parallel.config._tree import copy_tree
-from hyper_parallel.config.errors import ConfigError, describe, did_you_mean, join_path, relocate
+from hyper_parallel.config.errors import (
+    ConfigError,
+    describe,
+    did_you_mean,
+    join_path,
+    relocate,
+    union_error,
+)
 from hyper_parallel.config.leaf_codec import leaf_codec
 
 __all__ = ["apply_overrides", "parse_text"]
@@ -182,10 +189,7 @@ def parse_text(text: str, declared: object, path: str, decoder: Decoder) -> Any:
                 return parse_text(text, member, path, decoder)
             except ConfigError as err:
                 errors.append(err)
-        deeper = [e for e in errors if e.path != path]
-        if deeper and len({e.path for e in deeper}) == 1:  # they agree where it went wrong
-            raise deeper[0]
-        raise _bad(path, ann, text)
+        raise union_error(errors, path, _bad(path, ann, text))
     origin = typing.get_origin(ann)
     if origin is Literal:
         for option in typing.get_args(ann):

@@ -53,6 +53,24 @@ class UnboundConfigError(ConfigError, NotImplementedError):
     """
 
 
+def union_error(errors: list[ConfigError], path: str, fallback: ConfigError) -> ConfigError:
+    """The error to raise when no member of a union at ``path`` fitted.
+
+    The members that got past the first level (an error deeper than ``path``) know better
+    than "expected X | Y" -- if they agree where it went wrong; else ``fallback``.
+
+    Example::
+
+        >>> deep = ConfigError("expected int, found str 'x'", path="a.b")
+        >>> str(union_error([deep], "a", ConfigError("expected dict | None", path="a")))
+        "a.b: expected int, found str 'x'"
+    """
+    deeper = [e for e in errors if e.path != path]
+    if deeper and len({e.path for e in deeper}) == 1:
+        return deeper[0]
+    return fallback
+
+
 def relocate(error: ConfigError, prefix: str) -> ConfigError:
     """``error`` with its path placed below ``prefix`` (same class, same message).
 
