@@ -43,8 +43,9 @@ class _DictData:
 
         Example::
 
-            >>> ShardingConfig.from_dict({"state_shardings": {"weight": {"tp": "Shard(0)"}}})
-            ShardingConfig(state_shardings={'weight': {'tp': Shard(dim=0)}}, in_src_shardings=None, in_dst_shardings=None, out_src_shardings=None, out_dst_shardings=None, local_map=None)
+            >>> data = {"state_shardings": {"weight": {"tp": "Shard(0)"}}}
+            >>> ShardingConfig.from_dict(data).state_shardings
+            {'weight': {MeshAxisName.TP: Shard(dim=0)}}
         """
         return dataclass_from_dict(cls, data)
 
