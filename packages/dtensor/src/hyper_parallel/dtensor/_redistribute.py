@@ -11,11 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hyper_parallel.dtensor import _comm_log
+from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
 __all__ = ["check_redistribute_target", "redistribute_local"]
 
@@ -137,7 +136,6 @@ def redistribute_local(
     if src == dst:
         return local
     check_redistribute_target(src, dst, where="redistribute")
-    platform = get_platform()
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return local
@@ -164,8 +162,7 @@ def redistribute_local(
         parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
         bounds = chunk_bounds(parent, n)
         padded = _pad_dim(local, p.dim, bounds[1] - bounds[0])
-        stacked = platform.all_gather(padded, mesh.get_group(axis))
-        _comm_log.record("all_gather", padded, n)
+        stacked = collectives.all_gather(padded, mesh, axis)
         local = _stacked_to_dim(stacked, p.dim, bounds)
         current[axis] = Replicate()
 
@@ -174,20 +171,17 @@ def redistribute_local(
         if not isinstance(s, Partial) or s == d:
             continue
         n = mesh.size(axis)
-        group = mesh.get_group(axis)
         if isinstance(d, Shard) and _is_lone_shard(d.dim, axis, current, dst):
             bounds = chunk_bounds(local.shape[d.dim], n)
             stacked = _split_to_stacked(local, d.dim, bounds)
-            reduced = platform.reduce_scatter(stacked, group, s.reduce_op)
-            _comm_log.record("reduce_scatter", stacked, n)
+            reduced = collectives.reduce_scatter(stacked, mesh, axis, s.reduce_op)
             r = mesh.get_local_rank(axis)
             local = reduced.narrow(d.dim, 0, bounds[r + 1] - bounds[r])
             if local.shape[d.dim] != reduced.shape[d.dim]:
                 local = local.contiguous()
             current[axis] = d
         else:
-            local = platform.all_reduce(local, group, s.reduce_op)
-            _comm_log.record("all_reduce", local, n)
+            local = collectives.all_reduce(local, mesh, axis, s.reduce_op)
             current[axis] = Replicate()
 
     # 3. all-to-all between two lone shards of one axis.
@@ -200,8 +194,7 @@ def redistribute_local(
         dst_bounds = chunk_bounds(global_shape[d.dim], n)
         padded = _pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
         stacked = _split_to_stacked(padded, d.dim, dst_bounds)
-        exchanged = platform.all_to_all(stacked, mesh.get_group(axis))
-        _comm_log.record("all_to_all", stacked, n)
+        exchanged = collectives.all_to_all(stacked, mesh, axis)
         # slot j holds rank j's rows of dim s.dim (padded) for this rank's chunk of d.dim
         mine = dst_bounds[r + 1] - dst_bounds[r]
         exchanged = exchanged.narrow(d.dim + 1, 0, mine)
