@@ -52,7 +52,7 @@ class DeviceMesh:
         mesh_dim_names: tuple[str, ...] | None = None,
     ) -> None:
         platform = get_platform()
-        platform.backend_for(device_type)
+        platform.ensure_device_type(device_type)
         ranks = _as_rank_tensor(mesh)
         names = _check_names(mesh_dim_names, ranks.dim())
         if not platform.is_initialized():
@@ -312,7 +312,7 @@ def init_device_mesh(
         )
     _check_names(mesh_dim_names, len(shape))
     platform = get_platform()
-    platform.backend_for(device_type)
+    platform.ensure_device_type(device_type)
     if not platform.is_initialized():
         platform.init_process_group(device_type)
     world_size = platform.get_world_size()

@@ -33,6 +33,12 @@ def cross_entropy(
         targets = targets.full_tensor()
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)
+    if all(p.is_replicate() for p in logits.placements):
+        # every rank holds the whole logits: the plain loss, with gradients through to_local
+        local = logits.to_local()
+        return F.cross_entropy(
+            local.flatten(0, -2), targets.to(local.device).flatten(), ignore_index=ignore_index
+        )
     mesh = logits.device_mesh
     replicated_targets = DTensor.from_local(
         targets.to(logits.device), mesh, [Replicate()] * mesh.ndim

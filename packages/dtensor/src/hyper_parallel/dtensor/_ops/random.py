@@ -67,6 +67,7 @@ from hyper_parallel.dtensor._spec import (
     partial_to_replicate,
 )
 from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.platform import get_platform
 
 __all__ = ["generation_chunk"]
 
@@ -264,7 +265,8 @@ def fill_shard(
     chunk = _chunk_elements.get()
     device = local.device
     model: _StreamModel | None = None
-    if device.type == "cpu" and n > chunk and meta.stride == contiguous_strides(meta.shape):
+    sequential = get_platform().rng_is_sequential(device)
+    if sequential and n > chunk and meta.stride == contiguous_strides(meta.shape):
         try:
             key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "generator"))
             model = _stream_model(func, local.dtype, args, key)
