@@ -15,6 +15,7 @@ tensors at hand, or the one the caller passes in, so the class imports this modu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -148,10 +149,21 @@ class ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
-        spec: DTensorSpec = ctx.spec
-        placements = ctx.grad_placements or spec.placements
-        meta = TensorMeta(spec.shape, contiguous_strides(spec.shape), grad.dtype)
-        return ctx.tensor_type(grad, DTensorSpec(spec.mesh, placements, meta)), None
+        return ctx.tensor_type(grad, _grad_spec(ctx.spec, ctx.grad_placements, grad.dtype)), None
+
+
+@functools.lru_cache(maxsize=4096)
+def _grad_spec(
+    spec: DTensorSpec, grad_placements: tuple[Placement, ...] | None, dtype: torch.dtype
+) -> DTensorSpec:
+    """The spec of a ``to_local`` gradient: contiguous, laid out as ``grad_placements``."""
+    placements = grad_placements or spec.placements
+    meta = spec.tensor_meta
+    if meta.dtype != dtype or meta.stride != contiguous_strides(meta.shape):
+        meta = TensorMeta(meta.shape, contiguous_strides(meta.shape), dtype)
+    if placements == spec.placements and meta is spec.tensor_meta:
+        return spec
+    return DTensorSpec(spec.mesh, placements, meta)
 
 
 class Redistribute(torch.autograd.Function):

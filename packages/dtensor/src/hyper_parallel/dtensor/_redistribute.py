@@ -7,6 +7,7 @@ shards are padded to the largest chunk for the collective and trimmed after.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -118,29 +119,22 @@ def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[
     )
 
 
-def redistribute_local(
-    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
-) -> torch.Tensor:
-    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
+@functools.lru_cache(maxsize=4096)
+def _program(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> tuple[tuple[Placement, ...], frozenset[int], frozenset[int]] | None:
+    """What a move from ``src`` to ``dst`` does, decided once per layout pair and mesh shape.
 
-    Raises ``ValueError`` for a move to Partial (see :func:`check_redistribute_target`).
+    ``(src relabelled, all-to-all axes, all-gather axes)``; ``None`` when nothing moves.
+    Raises ``ValueError`` for a move to Partial.
     """
-    src = spec.placements
-    if src == dst:
-        return local
-    mesh = spec.mesh
     # Along a mesh axis of one rank every placement holds the same local values: relabel.
     src = tuple(
-        d if mesh.size(axis) == 1 else s for axis, (s, d) in enumerate(zip(src, dst, strict=True))
+        d if mesh_shape[axis] == 1 else s for axis, (s, d) in enumerate(zip(src, dst, strict=True))
     )
     if src == dst:
-        return local
+        return None
     check_redistribute_target(src, dst, where="redistribute")
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return local
-    global_shape = spec.shape
-
     all_to_all_axes: set[int] = set()
     for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         if (
@@ -152,6 +146,27 @@ def redistribute_local(
         ):
             all_to_all_axes.add(i)
     gather = _gather_set(src, dst, all_to_all_axes)
+    return src, frozenset(all_to_all_axes), frozenset(gather)
+
+
+def redistribute_local(
+    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
+) -> torch.Tensor:
+    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
+
+    Raises ``ValueError`` for a move to Partial (see :func:`check_redistribute_target`).
+    """
+    if spec.placements == dst:
+        return local
+    mesh = spec.mesh
+    program = _program(spec.placements, dst, mesh.shape)
+    if program is None:
+        return local
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return local
+    src, all_to_all_axes, gather = program
+    global_shape = spec.shape
     current: list[Placement] = list(src)
 
     # 1. all-gather, innermost axis first, so nested shards of one dim unwind in order.

@@ -34,8 +34,8 @@ class TensorMeta:
     __slots__ = ("_hash", "dtype", "shape", "stride")
 
     def __init__(self, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> None:
-        self.shape = tuple(int(s) for s in shape)
-        self.stride = tuple(int(s) for s in stride)
+        self.shape = tuple(map(int, shape))
+        self.stride = tuple(map(int, stride))
         self.dtype = dtype
         self._hash = hash((self.shape, self.stride, self.dtype))
 

@@ -7,6 +7,7 @@ the dispatcher (``_dispatch``); the conversions (``from_local``, ``to_local``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,15 +160,19 @@ class DTensor(torch.Tensor):
         placements_t = normalize_placements(
             placements, device_mesh.ndim, local_tensor.ndim, where="DTensor.from_local"
         )
+        if shape is None and stride is None and not run_check:
+            # the common call (even shards): its spec is computed once per layout
+            spec = _even_spec(
+                device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
+            )
+            return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
         if shape is None:
             if run_check:
                 global_shape = _global_shape_from_shards(local_tensor, device_mesh, placements_t)
             else:
-                sizes = list(local_tensor.shape)
-                for axis, p in enumerate(placements_t):
-                    if isinstance(p, Shard):
-                        sizes[p.dim] *= device_mesh.size(axis)
-                global_shape = tuple(sizes)
+                global_shape = _even_global_shape(
+                    tuple(local_tensor.shape), device_mesh, placements_t
+                )
         else:
             global_shape = tuple(int(s) for s in shape)
             if len(global_shape) != local_tensor.ndim:
@@ -180,23 +185,13 @@ class DTensor(torch.Tensor):
                 f"DTensor.from_local: stride {tuple(stride)} has {len(stride)} entries, the "
                 f"global shape {global_shape} has {len(global_shape)} dim(s)"
             )
-        coordinate = device_mesh.get_coordinate()
-        problem = None
-        if coordinate is not None:
-            expected, _ = local_shape_and_offset(
-                global_shape, device_mesh.shape, coordinate, placements_t
-            )
-            if tuple(local_tensor.shape) != expected:
-                problem = (
-                    f"DTensor.from_local: with global shape {global_shape} and placements "
-                    f"{placements_t}, rank {device_mesh.get_rank()} (mesh coordinate "
-                    f"{coordinate}) must hold a shard of shape {expected} (torch.chunk "
-                    f"layout), found {tuple(local_tensor.shape)}; pass shape= for uneven shards"
-                )
+        problem = _shard_shape_problem(
+            tuple(local_tensor.shape), global_shape, device_mesh, placements_t
+        )
         # Under run_check every rank learns whether any rank failed, so none is left waiting.
         if (
             run_check
-            and coordinate is not None
+            and device_mesh.get_coordinate() is not None
             and collectives.any_rank(problem is not None, device_mesh, local_tensor.device)
             and problem is None
         ):
@@ -279,3 +274,51 @@ def _global_shape_from_shards(
         gathered = collectives.all_gather(mine, mesh, axis)
         sizes[p.dim] = int(gathered.sum().item())
     return tuple(sizes)
+
+
+def _even_global_shape(
+    local_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[int, ...]:
+    """The global shape of even shards: each sharded dim times its axes' sizes."""
+    sizes = list(local_shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            sizes[p.dim] *= mesh.size(axis)
+    return tuple(sizes)
+
+
+def _shard_shape_problem(
+    local_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+) -> str | None:
+    """Why this rank's shard cannot be its piece of ``global_shape`` (None when it can)."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    expected, _ = local_shape_and_offset(global_shape, mesh.shape, coordinate, placements)
+    if local_shape == expected:
+        return None
+    return (
+        f"DTensor.from_local: with global shape {global_shape} and placements "
+        f"{placements}, rank {mesh.get_rank()} (mesh coordinate {coordinate}) must hold a "
+        f"shard of shape {expected} (torch.chunk layout), found {local_shape}; pass shape= "
+        "for uneven shards"
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _even_spec(
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    local_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> DTensorSpec:
+    """The spec ``from_local`` gives even shards of ``local_shape`` (raises when they cannot be)."""
+    global_shape = _even_global_shape(local_shape, mesh, placements)
+    problem = _shard_shape_problem(local_shape, global_shape, mesh, placements)
+    if problem is not None:
+        raise ValueError(problem)
+    meta = TensorMeta(global_shape, contiguous_strides(global_shape), dtype)
+    return DTensorSpec(mesh, placements, meta)

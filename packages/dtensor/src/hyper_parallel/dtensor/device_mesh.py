@@ -41,6 +41,8 @@ class DeviceMesh:
     device_type: str
     mesh: torch.Tensor
     mesh_dim_names: tuple[str, ...] | None
+    #: Number of mesh axes (an attribute, not a property: the dispatcher reads it per op).
+    ndim: int
     _groups: dict[int, ProcessGroup]
     _coordinate: list[int] | None
 
@@ -90,6 +92,7 @@ class DeviceMesh:
         self._coordinate = where[0].tolist() if len(where) else None
         # value identity, computed once: specs hash and compare meshes on every op dispatch
         self._shape = tuple(int(s) for s in ranks.shape)
+        self.ndim = len(self._shape)
         self._groups = dict(groups) if groups is not None else self._create_groups()
         self._value_key = (device_type, self._shape, tuple(ranks.flatten().tolist()), names)
         self._value_hash = hash(self._value_key)
@@ -107,10 +110,6 @@ class DeviceMesh:
         return groups
 
     # -- shape -------------------------------------------------------------------
-    @property
-    def ndim(self) -> int:
-        """Number of mesh axes."""
-        return len(self._shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
