@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from bench.common.harness import TPContext
 from bench.common.llama import LlamaConfig
+from bench.ours.llama_ref import full_grads, zero_grads
 
 from hyper_parallel.dmodule import LocalMapConfig, MeshAxisName, Module, ShardingConfig
 from hyper_parallel.dmodule.layers import cross_entropy
-from hyper_parallel.dtensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+from hyper_parallel.dtensor import Partial, Replicate, Shard, init_device_mesh
 
 __all__ = ["build_user_model_step"]
 
@@ -200,17 +201,11 @@ class UserModelStep:
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
-        for p in self.params.values():
-            p.grad = None
+        zero_grads(self.params)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient as a full tensor, under the bench's parameter names (collective)."""
-        grads: dict[str, torch.Tensor] = {}
-        for name, p in self.params.items():
-            g = p.grad
-            assert g is not None, name
-            grads[_bench_name(name)] = g.full_tensor() if isinstance(g, DTensor) else g
-        return grads
+        return {_bench_name(name): g for name, g in full_grads(self.params).items()}
 
 
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")

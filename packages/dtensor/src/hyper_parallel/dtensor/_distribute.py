@@ -8,6 +8,7 @@ import torch
 
 from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._autograd import ensure_leaf_grad_hook
+from hyper_parallel.dtensor._redistribute import pad_dim
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -108,9 +109,9 @@ def _scatter_from(
             chunks = None
             if r == root:
                 chunks = [
-                    _pad_to(
+                    pad_dim(
                         piece.narrow(p.dim, bounds[k], bounds[k + 1] - bounds[k]), p.dim, full_len
-                    )
+                    ).contiguous()
                     for k in range(n)
                 ]
             received = collectives.scatter(chunks, piece.new_empty(like_shape), mesh, axis, root)
@@ -121,12 +122,3 @@ def _scatter_from(
     if piece.data_ptr() == full.data_ptr() or piece is full:
         piece = piece.clone()
     return piece
-
-
-def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t.contiguous()
-    pad_shape = list(t.shape)
-    pad_shape[dim] = missing
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)

@@ -17,7 +17,7 @@ from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["check_redistribute_target", "redistribute_local"]
+__all__ = ["check_redistribute_target", "pad_dim", "redistribute_local"]
 
 
 def check_redistribute_target(
@@ -33,7 +33,8 @@ def check_redistribute_target(
             )
 
 
-def _pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+def pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` padded with zeros along ``dim`` to ``length`` (``t`` itself when long enough)."""
     missing = length - t.shape[dim]
     if missing == 0:
         return t
@@ -66,7 +67,7 @@ def _split_to_stacked(t: torch.Tensor, dim: int, bounds: Sequence[int]) -> torch
         shape[dim : dim + 1] = [n, full]
         return t.reshape(shape).movedim(dim, 0) if full > 0 else t.new_zeros([n, *t.shape])
     pieces = [
-        _pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)
+        pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)
     ]
     return torch.stack(pieces, dim=0)
 
@@ -176,7 +177,7 @@ def redistribute_local(
         n = mesh.size(axis)
         parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
         bounds = chunk_bounds(parent, n)
-        padded = _pad_dim(local, p.dim, bounds[1] - bounds[0])
+        padded = pad_dim(local, p.dim, bounds[1] - bounds[0])
         stacked = collectives.all_gather(padded, mesh, axis)
         local = _stacked_to_dim(stacked, p.dim, bounds)
         current[axis] = Replicate()
@@ -207,7 +208,7 @@ def redistribute_local(
         r = mesh.get_local_rank(axis)
         src_bounds = chunk_bounds(global_shape[s.dim], n)
         dst_bounds = chunk_bounds(global_shape[d.dim], n)
-        padded = _pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
+        padded = pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
         stacked = _split_to_stacked(padded, d.dim, dst_bounds)
         exchanged = collectives.all_to_all(stacked, mesh, axis)
         # slot j holds rank j's rows of dim s.dim (padded) for this rank's chunk of d.dim
