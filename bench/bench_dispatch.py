@@ -40,7 +40,7 @@ def _time_us(op: Op, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _ops(torch_side: bool) -> dict[str, Op]:
+def _ops(torch_side: bool, device: str, world_size: int) -> dict[str, Op]:
     """The measured calls on one side (ours or torch's), with their inputs made once."""
     x: torch.Tensor
     w: torch.Tensor
@@ -49,17 +49,17 @@ def _ops(torch_side: bool) -> dict[str, Op]:
         import torch.distributed.tensor as tdt
         from torch.distributed.device_mesh import init_device_mesh as torch_mesh
 
-        mesh = torch_mesh("cpu", (2,))
-        x = tdt.distribute_tensor(torch.randn(4, 8), mesh, [tdt.Replicate()])
-        w = tdt.distribute_tensor(torch.randn(8, 8), mesh, [tdt.Shard(0)])
-        y = tdt.distribute_tensor(torch.randn(4, 8), mesh, [tdt.Replicate()])
+        mesh = torch_mesh(device, (world_size,))
+        x = tdt.distribute_tensor(torch.randn(4, 8, device=device), mesh, [tdt.Replicate()])
+        w = tdt.distribute_tensor(torch.randn(8, 8, device=device), mesh, [tdt.Shard(0)])
+        y = tdt.distribute_tensor(torch.randn(4, 8, device=device), mesh, [tdt.Replicate()])
     else:
         import hyper_parallel.dtensor as hdt
 
-        our_mesh = hdt.init_device_mesh("cpu", (2,))
-        x = hdt.distribute_tensor(torch.randn(4, 8), our_mesh, [hdt.Replicate()])
-        w = hdt.distribute_tensor(torch.randn(8, 8), our_mesh, [hdt.Shard(0)])
-        y = hdt.distribute_tensor(torch.randn(4, 8), our_mesh, [hdt.Replicate()])
+        our_mesh = hdt.init_device_mesh(device, (world_size,))
+        x = hdt.distribute_tensor(torch.randn(4, 8, device=device), our_mesh, [hdt.Replicate()])
+        w = hdt.distribute_tensor(torch.randn(8, 8, device=device), our_mesh, [hdt.Shard(0)])
+        y = hdt.distribute_tensor(torch.randn(4, 8, device=device), our_mesh, [hdt.Replicate()])
     return {
         "linear": lambda: F.linear(x, w),
         "add": lambda: x + y,
@@ -67,10 +67,12 @@ def _ops(torch_side: bool) -> dict[str, Op]:
     }
 
 
-def bench_rank(rounds: int, calls: int) -> dict[str, tuple[float, float]]:
+def bench_rank(
+    rounds: int, calls: int, device: str = "cpu", world_size: int = 2
+) -> dict[str, tuple[float, float]]:
     """On one rank: median µs/call of each op, ``(ours, torch)``, interleaved per round."""
-    ours = _ops(torch_side=False)
-    theirs = _ops(torch_side=True)
+    ours = _ops(torch_side=False, device=device, world_size=world_size)
+    theirs = _ops(torch_side=True, device=device, world_size=world_size)
     samples: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ours}
     with torch.no_grad():
         for name in ours:  # warm up: fill both caches
@@ -85,12 +87,22 @@ def bench_rank(rounds: int, calls: int) -> dict[str, tuple[float, float]]:
 
 
 def main() -> None:
-    """Run the bench on 2 ranks and print a table (rank 0's numbers)."""
+    """Run the bench (default: 2 CPU ranks) and print a table (rank 0's numbers)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (one rank per GPU)")
+    parser.add_argument("--world-size", type=int, default=2)
     ns = parser.parse_args()
-    results = run_distributed(bench_rank, 2, args=(ns.rounds, ns.calls), timeout_s=600)
+    results = run_distributed(
+        bench_rank,
+        ns.world_size,
+        args=(ns.rounds, ns.calls, ns.device, ns.world_size),
+        device_type=ns.device,
+        timeout_s=600,
+    )
+    if ns.device != "cpu":  # kernels run asynchronously: the timings are launch overhead
+        print(f"device {ns.device}: times are per-call dispatch (launch) overhead")
     print(f"{'op':<8} {'ours µs':>9} {'torch µs':>9} {'ours/torch':>10}")
     for name, (ours, theirs) in results[0].items():
         print(f"{name:<8} {ours:9.1f} {theirs:9.1f} {ours / theirs:10.2f}")

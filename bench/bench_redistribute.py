@@ -4,7 +4,7 @@ For each size and transition (S0->R, P->R, P->S0, S0->S1) both engines redistrib
 same local tensors on the same ranks; calls are interleaved (the order alternates every
 iteration) and each call starts after a barrier. A call's latency is the slowest
 rank's; the table shows medians, the ratio ours/torch and the collectives one call
-issues (ours via ``_comm_log.recording``, torch's via ``CommDebugMode``).
+issues (ours via ``collectives.observe_collectives``, torch's via ``CommDebugMode``).
 
 Example::
 
@@ -32,7 +32,7 @@ from hyper_parallel.dtensor import (
     Placement,
     Replicate,
     Shard,
-    _comm_log,
+    collectives,
     init_device_mesh,
 )
 from hyper_parallel.platform_torch.launch import run_distributed
@@ -71,11 +71,8 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def _count_ours(fn: Callable[[], object]) -> int:
     kinds: list[str] = []
-    token = _comm_log.recording.set((lambda kind, nbytes, group_size: kinds.append(kind),))
-    try:
+    with collectives.observe_collectives(lambda record: kinds.append(record.kind)):
         fn()
-    finally:
-        _comm_log.recording.reset(token)
     return len(kinds)
 
 

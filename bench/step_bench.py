@@ -38,6 +38,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "torch_tp": "bench.baselines.torch_tp:build_torch_tp_step",
     "ours_dtensor": "bench.ours.llama_ref:build_dtensor_step",
     "ours_local_map": "bench.ours.llama_ref:build_local_map_step",
+    "ours_user_model": "bench.ours.user_model:build_user_model_step",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"
@@ -85,7 +86,15 @@ def summarize(
     for name, first in rank0.items():
         entry: dict[str, Any] = {
             k: first.get(k)
-            for k in ("status", "error", "loss", "loss_abs_diff", "grad_max_abs_diff", "parity_ok")
+            for k in (
+                "status",
+                "error",
+                "loss",
+                "loss_abs_diff",
+                "grad_max_abs_diff",
+                "parity_ok",
+                "python_calls",
+            )
         }
         entry["comm_forward"] = first.get("comm_forward", {})
         entry["comm_backward"] = first.get("comm_backward", {})
@@ -102,6 +111,10 @@ def summarize(
         for entry in merged.values():
             mine = entry["median_ms"]
             entry[f"ratio_vs_{baseline}"] = mine / base if mine and base else None
+    base_calls = merged.get(MEGATRON, {}).get("python_calls")
+    for entry in merged.values():
+        calls = entry.get("python_calls")
+        entry["calls_vs_megatron"] = calls / base_calls if calls and base_calls else None
     return merged
 
 
@@ -133,6 +146,12 @@ def print_table(
             f"{flag} {name:<16}{e['median_ms']:>11.2f}{cells}  {parity} "
             f"({e['grad_max_abs_diff']:.2e}; loss {e['loss_abs_diff']:.1e})"
         )
+    print("   function calls per step (cProfile: Python and builtin calls; rank 0)")
+    for name, e in summary.items():
+        if e["status"] == "ok" and e.get("python_calls"):
+            ratio = e.get("calls_vs_megatron")
+            vs = f"  ({ratio:.2f}x megatron)" if ratio is not None else ""
+            print(f"   {name:<16}{e['python_calls']:>9}{vs}")
     print(f"   collectives per step (Megatron minimum: all_reduce={minimum} fwd, {minimum} bwd)")
     for name, e in summary.items():
         if e["status"] == "ok":

@@ -8,6 +8,7 @@ traceback, and a hung rank is killed after ``timeout_s``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -15,7 +16,7 @@ import pytest
 
 from hyper_parallel.platform_torch.launch import run_distributed
 
-__all__ = ["WORLD_SIZES", "run_on_ranks", "world_sizes"]
+__all__ = ["TEST_DEVICE", "WORLD_SIZES", "run_on_ranks", "world_sizes"]
 
 R = TypeVar("R")
 
@@ -25,13 +26,20 @@ _PRELOAD = ("hyper_parallel.dtensor", "hyper_parallel.dmodule", "hyper_parallel.
 #: The world sizes multi-process tests run on by default.
 WORLD_SIZES: tuple[int, ...] = (1, 2, 4)
 
+#: The device type the suites that support it run on (``HP_TEST_DEVICE``, default cpu);
+#: ``bench/gpu_smoke.sh`` sets ``cuda``.
+TEST_DEVICE: str = os.environ.get("HP_TEST_DEVICE", "cpu")
+
+# ``HP_TEST_WORLD_SIZES="1"`` replaces every world_sizes(...) choice (one GPU: one rank).
+_FORCED_SIZES = tuple(int(n) for n in os.environ.get("HP_TEST_WORLD_SIZES", "").split())
+
 
 def run_on_ranks(
     fn: Callable[..., R],
     world_size: int,
     *args: object,
     timeout_s: float = 120.0,
-    device_type: str = "cpu",
+    device_type: str = TEST_DEVICE,
 ) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` ranks with a process group; results in rank order.
 
@@ -60,5 +68,5 @@ def world_sizes(*sizes: int) -> pytest.MarkDecorator:
         >>> @world_sizes(2, 4)
         ... def test_all_gather(world_size: int) -> None: ...
     """
-    chosen = sizes or WORLD_SIZES
+    chosen = _FORCED_SIZES or sizes or WORLD_SIZES
     return pytest.mark.parametrize("world_size", chosen, ids=[f"ws{n}" for n in chosen])

@@ -3,9 +3,11 @@ collectives, then time them interleaved in the same process group."""
 
 from __future__ import annotations
 
+import cProfile
 import importlib
 import math
 import multiprocessing
+import pstats
 import time
 import traceback
 from collections.abc import Iterable, Mapping
@@ -73,6 +75,7 @@ class ImplResult:
     comm_forward: dict[str, int] = field(default_factory=dict)
     comm_backward: dict[str, int] = field(default_factory=dict)
     times_s: list[float] = field(default_factory=list)
+    python_calls: int = 0  # function calls (Python and builtin) of one step, counted by cProfile
 
 
 def load_factory(path: str) -> StepFactory:
@@ -186,6 +189,15 @@ def _bench_config(
             elapsed = time.perf_counter() - start
             if it >= job.warmup:
                 results[name].times_s.append(elapsed)
+    for name in names:  # one more step each, profiled (untimed): its function-call count
+        step = steps[name]
+        dist.barrier(group=ctx.group)
+        step.zero_grad()
+        profile = cProfile.Profile()
+        profile.enable()
+        torch.autograd.backward(step.forward_loss(tokens, targets))
+        profile.disable()
+        results[name].python_calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
     return results
 
 

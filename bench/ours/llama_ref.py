@@ -17,7 +17,7 @@ from bench.common.llama import LlamaConfig
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dtensor import DTensor, init_device_mesh
 
-__all__ = ["build_dtensor_step", "build_local_map_step"]
+__all__ = ["build_dtensor_step", "build_local_map_step", "full_grads", "zero_grads"]
 
 
 class ReferenceLlamaStep:
@@ -66,17 +66,31 @@ class ReferenceLlamaStep:
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
-        for p in self.params.values():
-            p.grad = None
+        zero_grads(self.params)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient as a full tensor (collective)."""
-        grads: dict[str, torch.Tensor] = {}
-        for name, p in self.params.items():
-            g = p.grad
-            assert g is not None, name
-            grads[name] = g.full_tensor() if isinstance(g, DTensor) else g
-        return grads
+        return full_grads(self.params)
+
+
+def zero_grads(params: Mapping[str, torch.Tensor]) -> None:
+    """Drop the gradient of every parameter."""
+    for p in params.values():
+        p.grad = None
+
+
+def full_grads(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a full tensor, by name (collective).
+
+    Example:
+        >>> grads = full_grads(dict(model.named_parameters()))  # doctest: +SKIP
+    """
+    grads: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        g = p.grad
+        assert g is not None, name
+        grads[name] = g.full_tensor() if isinstance(g, DTensor) else g
+    return grads
 
 
 def build_dtensor_step(

@@ -11,16 +11,19 @@ from pathlib import Path
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.vocab_size=64", "--model.ffn_dim=48"]
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 def _demo(
-    args: list[str], env_extra: dict[str, str] | None = None
+    args: list[str], module: str = "hyper_parallel.dmodule.demo"
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-m", "hyper_parallel.dmodule.demo", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         env=env,
+        cwd=ROOT,
         timeout=240,
     )
 
@@ -40,7 +43,7 @@ def test_demo_crashed_rank_exits_nonzero_quickly_with_the_cause(tmp_path: Path) 
     start = time.monotonic()
     done = _demo(
         ["--steps", "3", "--seq-len", "8", "--plot", str(tmp_path / "p.png"), *TINY],
-        {"HP_DEMO_CRASH_RANK": "1", "HP_DEMO_CRASH_STEP": "2"},
+        module="tests.dmodule._demo_crash",  # rank 1 raises at step 2 (a test-only fault)
     )
     elapsed = time.monotonic() - start
     assert done.returncode == 1, done.stdout + done.stderr

@@ -27,10 +27,10 @@ from hyper_parallel.dtensor import (
     Placement,
     Replicate,
     Shard,
+    collectives,
     distribute_tensor,
     init_device_mesh,
 )
-from hyper_parallel.dtensor._comm_log import recording
 
 TOL = 1e-5
 
@@ -73,13 +73,10 @@ def _compare(
         x_par = distribute_tensor(x, mesh, in_placements, src_data_rank=None)
         x_par.requires_grad_(float_input)
     counts: Counter[str] = Counter()
-    token = recording.set((lambda kind, nbytes, size: counts.update([kind]),))
-    try:
+    with collectives.observe_collectives(lambda record: counts.update([record.kind])):
         y_par = par(x_par)
         forward_counts = dict(counts)
         (_full(y_par) * weight).sum().backward()  # type: ignore[no-untyped-call]
-    finally:
-        recording.reset(token)
     grads = [
         (_full(_grad(p)) - _grad(q)).abs().max().item()
         for p, q in zip(par.parameters(), ref.parameters(), strict=True)
@@ -103,19 +100,19 @@ def _loss_parallel(mesh: Any) -> dict[str, Any]:
     ref.backward()  # type: ignore[no-untyped-call]
     par_logits = distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_()
     counts: Counter[str] = Counter()
-    token = recording.set((lambda kind, nbytes, size: counts.update([kind]),))
-    try:
+    with collectives.observe_collectives(lambda record: counts.update([record.kind])):
         loss = cross_entropy(par_logits, targets)
+        forward_counts = dict(counts)
         loss.backward()  # type: ignore[no-untyped-call]
-    finally:
-        recording.reset(token)
+    backward_counts = dict(counts - Counter(forward_counts))
     assert isinstance(par_logits.grad, DTensor)
     return {
         "out": abs(loss.item() - ref.item()),
         "x_grad": (par_logits.grad.full_tensor() - _grad(ref_logits)).abs().max().item(),
         "param_grads": 0.0,
         "placements": _normalized(par_logits.grad),
-        "forward_comms": dict(counts),
+        "forward_comms": forward_counts,
+        "backward_comms": backward_counts,
     }
 
 
@@ -248,7 +245,10 @@ def test_local_map_block_forward_is_one_all_reduce(
 
 
 def test_loss_parallel_never_gathers_the_logits(results: dict[str, dict[str, Any]]) -> None:
+    # forward: the softmax's row max and sum of exponentials, the loss's Partial sum;
+    # backward: the softmax gradient's row sum. Each is one value per token, never the logits.
     assert results["cross_entropy_loss_parallel"]["forward_comms"] == {"all_reduce": 3}
+    assert results["cross_entropy_loss_parallel"]["backward_comms"] == {"all_reduce": 1}
 
 
 # -- single process: presets and errors --------------------------------------------------

@@ -19,7 +19,7 @@ from hyper_parallel.dmodule import (
     Sequential,
     ShardingConfig,
 )
-from hyper_parallel.dmodule.module import forward_signature
+from hyper_parallel.dmodule._forward import forward_signature
 from hyper_parallel.dtensor import Shard
 
 

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from tests._harness import TEST_DEVICE
 from tests._tolerance import scaled_atol
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
@@ -91,12 +92,12 @@ def make_meshes(
     Importing ``torch.distributed.tensor`` costs seconds per rank process, so the
     torch comparison is opt-in.
     """
-    ours = init_device_mesh("cpu", mesh_shape)
+    ours = init_device_mesh(TEST_DEVICE, mesh_shape)
     if not with_torch:
         return ours, None
     from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
-    return ours, torch_init_device_mesh("cpu", mesh_shape)
+    return ours, torch_init_device_mesh(TEST_DEVICE, mesh_shape)
 
 
 def rand_shape(gen: torch.Generator, ndim: int, low: int = 1, high: int = 7) -> tuple[int, ...]:
@@ -246,7 +247,7 @@ def _compare(what: str, got: Sequence[Any], want: Sequence[Any], case: OpCase) -
 
 def _our_full(t: Any) -> torch.Tensor:
     if isinstance(t, DTensor):
-        return t.full_tensor()
+        return t.full_tensor().cpu()  # compared with the one-process oracle on the CPU
     raise TypeError(f"expected a DTensor output, found {type(t).__name__}")
 
 
@@ -254,7 +255,7 @@ def _torch_full(t: Any) -> torch.Tensor:
     import torch.distributed.tensor as tdt
 
     if isinstance(t, tdt.DTensor):
-        return t.full_tensor()
+        return t.full_tensor().cpu()
     raise TypeError(f"expected a torch DTensor output, found {type(t).__name__}")
 
 
@@ -304,7 +305,7 @@ def _our_leaf(
 ) -> torch.Tensor:
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
-    local = _local_piece(t, mesh.shape, coordinate, layout[k], seed + k)
+    local = _local_piece(t, mesh.shape, coordinate, layout[k], seed + k).to(TEST_DEVICE)
     return DTensor.from_local(local, mesh, layout[k], shape=t.shape, stride=t.stride()).detach()
 
 
@@ -315,7 +316,7 @@ def _torch_leaf(
 
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
-    local = _local_piece(t, mesh.shape, coordinate, layout[k], seed + k)
+    local = _local_piece(t, mesh.shape, coordinate, layout[k], seed + k).to(TEST_DEVICE)
     placements = [_to_torch_placement(p) for p in layout[k]]
     dt = tdt.DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
     return dt.detach()
@@ -385,7 +386,7 @@ def _torch_check(
         report.torch_unsupported.append(f"{where}: torch differs: {problems[0]}")
 
 
-MESH_SHAPES: dict[int, tuple[tuple[int, ...], ...]] = {2: ((2,),), 4: ((4,), (2, 2))}
+MESH_SHAPES: dict[int, tuple[tuple[int, ...], ...]] = {1: ((1,),), 2: ((2,),), 4: ((4,), (2, 2))}
 """The meshes each world size runs: 1-D, and on 4 ranks also a 2x2 mesh (nested shards)."""
 
 

@@ -20,7 +20,7 @@ from hyper_parallel.dtensor import (
     Partial,
     Replicate,
     Shard,
-    _comm_log,
+    collectives,
     distribute_tensor,
     init_device_mesh,
 )
@@ -46,14 +46,15 @@ class _Collectives:
         self.kinds: list[str] = []
 
     def __enter__(self) -> _Collectives:
-        self._token = _comm_log.recording.set((self._record,))
+        self._observing = collectives.observe_collectives(self._record)
+        self._observing.__enter__()
         return self
 
-    def _record(self, kind: str, nbytes: int, group_size: int) -> None:
-        self.kinds.append(kind)
+    def _record(self, record: collectives.CollectiveRecord) -> None:
+        self.kinds.append(record.kind)
 
     def __exit__(self, *exc: object) -> None:
-        _comm_log.recording.reset(self._token)
+        self._observing.__exit__(None, None, None)
 
 
 # -- leaf gradients carry the leaf's layout --------------------------------------------------

@@ -22,7 +22,7 @@ from hyper_parallel.dtensor import (
     fallback_counts,
     init_device_mesh,
 )
-from hyper_parallel.dtensor._dispatch import rule_for
+from hyper_parallel.dtensor._registry import rule_for
 
 FALLBACK_OP = torch.ops.aten.cummax.default
 

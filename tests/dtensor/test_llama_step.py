@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tests._harness import run_on_ranks, world_sizes
+from tests._harness import TEST_DEVICE, run_on_ranks, world_sizes
 from tests._tolerance import assert_close_to_scale
 
 from hyper_parallel.dtensor import (
@@ -195,15 +195,15 @@ def _reference_adamw_given(grads: Mapping[str, torch.Tensor], cfg: LlamaShapes) 
 def _distributed_steps(world_size: int) -> dict[str, StepResult]:
     """On every rank: one step per (embedding layout, foreach) variant."""
     cfg = SHAPES
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(TEST_DEVICE, (world_size,))
     replicate = (Replicate(),)
-    data = {k: distribute_tensor(v, mesh, replicate) for k, v in batch(cfg).items()}
+    data = {k: distribute_tensor(v.to(TEST_DEVICE), mesh, replicate) for k, v in batch(cfg).items()}
     results: dict[str, StepResult] = {}
     for vocab_sharded in (False, True):
         for foreach in (False, True):
             placements = megatron_placements(cfg, vocab_sharded_embedding=vocab_sharded)
             params = {
-                k: distribute_tensor(v, mesh, (placements[k],)).requires_grad_(True)
+                k: distribute_tensor(v.to(TEST_DEVICE), mesh, (placements[k],)).requires_grad_(True)
                 for k, v in init_params(cfg).items()
             }
             reset_fallback_counts()
@@ -215,20 +215,25 @@ def _distributed_steps(world_size: int) -> dict[str, StepResult]:
             grad_placements: dict[str, tuple[Placement, ...]] = {}
             for k, v in params.items():
                 assert isinstance(v.grad, DTensor), f"{k}: gradient is {type(v.grad).__name__}"
-                grads[k] = v.grad.full_tensor()
+                grads[k] = v.grad.full_tensor().cpu()
                 grad_placements[k] = v.grad.placements
             _adamw(list(params.values()), foreach=foreach).step()
             optimizer = fallback_counts()
             updated: dict[str, torch.Tensor] = {}
             for k, v in params.items():
                 assert isinstance(v, DTensor)
-                updated[k] = v.full_tensor().detach()
+                updated[k] = v.full_tensor().detach().cpu()
             assert isinstance(loss, DTensor)
             name = (
                 f"{'vocab-sharded' if vocab_sharded else 'replicated'} embedding, foreach={foreach}"
             )
             results[name] = StepResult(
-                loss.full_tensor().detach(), grads, updated, fwd_bwd, optimizer, grad_placements
+                loss.full_tensor().detach().cpu(),
+                grads,
+                updated,
+                fwd_bwd,
+                optimizer,
+                grad_placements,
             )
     return results
 

@@ -32,7 +32,7 @@ from hyper_parallel.dtensor import (
     plan_cache_size,
     reset_fallback_counts,
 )
-from hyper_parallel.dtensor._dispatch import plan_derivations
+from hyper_parallel.dtensor._planning import plan_derivations
 
 _R = Replicate()
 _P = Partial()

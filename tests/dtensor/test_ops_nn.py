@@ -222,21 +222,18 @@ def test_nn_ops_match_full_tensors(world_size: int) -> None:
 
 def _loss_parallel_layouts(world_size: int) -> dict[str, Any]:
     """Cross-entropy on class-sharded logits: what stays sharded, and which collectives ran."""
-    from hyper_parallel.dtensor import _comm_log
+    from hyper_parallel.dtensor import collectives
 
     mesh = init_device_mesh("cpu", (world_size,))
     gen = torch.Generator().manual_seed(3)
     logits = distribute_tensor(torch.randn(8, 10, generator=gen), mesh, [Shard(1)]).requires_grad_()
     target = distribute_tensor(torch.randint(0, 10, (8,), generator=gen), mesh, [_R])
     kinds: list[str] = []
-    token = _comm_log.recording.set((lambda kind, nbytes, n: kinds.append(kind),))
-    try:
+    with collectives.observe_collectives(lambda record: kinds.append(record.kind)):
         log_probs = F.log_softmax(logits, -1)
         loss = F.nll_loss(log_probs, target)
         forward_kinds = list(kinds)
         torch.autograd.backward(loss)
-    finally:
-        _comm_log.recording.reset(token)
     assert isinstance(log_probs, DTensor) and isinstance(loss, DTensor)
     assert isinstance(logits.grad, DTensor)
     return {
@@ -261,7 +258,7 @@ def test_loss_parallel_never_gathers_the_logits(world_size: int) -> None:
 
 def _cuda_attention_decisions(world_size: int) -> dict[str, Any]:
     """The CUDA attention kernels' rule on specs (no GPU needed: meta shapes only)."""
-    from hyper_parallel.dtensor._dispatch import OpCall, rule_for
+    from hyper_parallel.dtensor._registry import OpCall, rule_for
     from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta
 
     aten = torch.ops.aten

@@ -20,7 +20,7 @@ from hyper_parallel.dtensor import (
     Placement,
     Replicate,
     Shard,
-    _comm_log,
+    collectives,
     distribute_tensor,
     fallback_counts,
     init_device_mesh,
@@ -139,15 +139,12 @@ def _clip_grad_norm_matches(mesh_shape: tuple[int, ...]) -> list[str]:
             calls: list[tuple[str, int, int]] = []
 
             def record(
-                kind: str, nbytes: int, n: int, calls: list[tuple[str, int, int]] = calls
+                r: collectives.CollectiveRecord, calls: list[tuple[str, int, int]] = calls
             ) -> None:
-                calls.append((kind, nbytes, n))
+                calls.append((r.kind, r.nbytes, r.group_size))
 
-            token = _comm_log.recording.set((record,))
-            try:
+            with collectives.observe_collectives(record):
                 got = torch.nn.utils.clip_grad_norm_(dts, 0.5, norm_type, foreach=foreach)
-            finally:
-                _comm_log.recording.reset(token)
             got_value = got.full_tensor() if isinstance(got, DTensor) else got
             if abs(float(got_value) - float(expected)) > TOLERANCE * max(1.0, float(expected)):
                 failures.append(f"{where}: norm {float(got_value)} != {float(expected)}")

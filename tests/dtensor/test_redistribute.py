@@ -28,7 +28,7 @@ from hyper_parallel.dtensor import (
     Placement,
     Replicate,
     Shard,
-    _comm_log,
+    collectives,
     init_device_mesh,
 )
 
@@ -176,12 +176,9 @@ def check_case(
     leaf = local.clone().requires_grad_(backward)
 
     kinds: list[str] = []
-    token = _comm_log.recording.set((lambda kind, nbytes, group_size: kinds.append(kind),))
-    try:
+    with collectives.observe_collectives(lambda record: kinds.append(record.kind)):
         x = DTensor.from_local(leaf, mesh, src, shape=shape)
         y = x.redistribute(mesh, dst)
-    finally:
-        _comm_log.recording.reset(token)
     expected = oracle_shard(full, mesh.shape, coordinate, dst)
     if not torch.equal(y.to_local(), expected):
         failures.append(f"{where}: local {y.to_local().tolist()} != oracle {expected.tolist()}")
@@ -331,9 +328,9 @@ def test_redistribute_nested_and_multi_axis_on_2x2_mesh() -> None:
     assert not results[0], "\n".join(results[0][:15])
 
 
-def _appender(events: list[tuple[str, int, int]]) -> _comm_log.Recorder:
-    """A recorder that appends each ``(kind, bytes_per_rank, group_size)`` to ``events``."""
-    return lambda kind, nbytes, group_size: events.append((kind, nbytes, group_size))
+def _appender(events: list[tuple[str, int, int]]) -> collectives.Observer:
+    """An observer that appends each ``(kind, bytes_per_rank, group_size)`` to ``events``."""
+    return lambda record: events.append((record.kind, record.nbytes, record.group_size))
 
 
 # -- the cost model -----------------------------------------------------------------------------
@@ -353,11 +350,8 @@ def _collective_kinds() -> list[str]:
     ]
     for src, dst, kinds in expectations:
         recorded: list[tuple[str, int, int]] = []
-        token = _comm_log.recording.set((_appender(recorded),))
-        try:
+        with collectives.observe_collectives(_appender(recorded)):
             DTensor.from_local(torch.ones(4, 6), mesh, src).redistribute(mesh, dst)
-        finally:
-            _comm_log.recording.reset(token)
         found = sorted(kind for kind, _, _ in recorded)
         if found != sorted(kinds):
             failures.append(f"{src} -> {dst}: collectives {found}, expected {sorted(kinds)}")

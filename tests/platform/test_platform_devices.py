@@ -18,12 +18,12 @@ PLATFORM = TorchPlatform()
 
 
 def test_backend_for_maps_each_device_type() -> None:
-    assert [PLATFORM.backend_for(d) for d in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
+    assert [devices.backend_for(d) for d in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
 
 
-def test_backend_for_unknown_device_names_the_supported_ones() -> None:
+def test_unknown_device_type_names_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"'tpu'.*\('cpu', 'cuda', 'npu'\)"):
-        PLATFORM.backend_for("tpu")
+        PLATFORM.ensure_device_type("tpu")
     with pytest.raises(ValueError, match="'xpu'"):
         PLATFORM.device_for("xpu")
 
@@ -47,12 +47,15 @@ def test_device_for_cuda_uses_local_rank_modulo_device_count(
     assert PLATFORM.device_for("cuda") == torch.device("cuda", 2)
 
 
-def test_cpu_rng_state_round_trips() -> None:
-    cpu = torch.device("cpu")
-    state = PLATFORM.get_rng_state(cpu)
-    first = torch.rand(4)
-    PLATFORM.set_rng_state(state, cpu)
-    assert torch.equal(torch.rand(4), first)
+def test_only_the_cpu_generator_is_sequential() -> None:
+    # CPU: filling 2N elements equals filling N then N from the same seed.
+    torch.manual_seed(5)
+    whole = torch.empty(64).normal_()
+    torch.manual_seed(5)
+    pieces = torch.cat([torch.empty(32).normal_(), torch.empty(32).normal_()])
+    assert torch.equal(whole, pieces)
+    assert PLATFORM.rng_is_sequential(torch.device("cpu"))
+    assert not PLATFORM.rng_is_sequential(torch.device("cuda", 0))
 
 
 # -- NPU, with fakes: a real torch_npu is never imported ---------------------------------
@@ -99,12 +102,9 @@ def test_npu_with_torch_npu_failing_to_load_blames_cann(monkeypatch: pytest.Monk
 def _npu_with_fake_torch_npu(local_rank: str) -> dict[str, object]:
     """In a rank process: install a fake torch_npu (it renames torch's private backend)."""
     calls: list[tuple[str, object]] = []
-    rng_state = torch.arange(8, dtype=torch.uint8)
     npu = types.SimpleNamespace(
         device_count=lambda: 4,
         set_device=lambda device: calls.append(("set_device", str(device))),
-        get_rng_state=lambda device: rng_state.clone(),
-        set_rng_state=lambda state, device: calls.append(("set_rng_state", state.tolist())),
     )
     fake = types.ModuleType("torch_npu")
     fake.npu = npu  # type: ignore[attr-defined]
@@ -118,14 +118,11 @@ def _npu_with_fake_torch_npu(local_rank: str) -> dict[str, object]:
     platform.ensure_device_type("npu")
     device = platform.device_for("npu")
     current = devices.set_current_device("npu")
-    state = platform.get_rng_state(device)
-    platform.set_rng_state(state + 1, device)
-    return {"device": str(device), "current": str(current), "state": state.tolist(), "calls": calls}
+    return {"device": str(device), "current": str(current), "calls": calls}
 
 
-def test_npu_with_fake_torch_npu_picks_device_and_rng_from_torch_npu() -> None:
+def test_npu_with_fake_torch_npu_picks_the_device_from_torch_npu() -> None:
     (result,) = run_on_ranks(_npu_with_fake_torch_npu, 1, "6")
     assert result["device"] == "npu:2"  # LOCAL_RANK 6 % 4 devices
     assert result["current"] == "npu:2"
-    assert result["state"] == list(range(8))
-    assert result["calls"] == [("set_device", "npu:2"), ("set_rng_state", list(range(1, 9)))]
+    assert result["calls"] == [("set_device", "npu:2")]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
@@ -22,6 +23,35 @@ __all__ = [
 ]
 
 Placements: TypeAlias = tuple[Placement, ...]
+
+_POSITIONAL_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_forward_signatures: dict[type, tuple[tuple[str, ...], frozenset[str], bool]] = {}
+
+
+def forward_signature(cls: type) -> tuple[tuple[str, ...], frozenset[str], bool]:
+    """``(positional names, all names, accepts **kwargs)`` of ``cls.forward``, cached per class.
+
+    Example::
+
+        >>> class Net(torch.nn.Module):
+        ...     def forward(self, x, mask=None, *, scale=1.0): ...
+        >>> positional, names, var_keyword = forward_signature(Net)
+        >>> positional, sorted(names), var_keyword
+        (('x', 'mask'), ['mask', 'scale', 'x'], False)
+    """
+    cached = _forward_signatures.get(cls)
+    if cached is None:
+        forward = cast("Callable[..., object]", getattr(cls, "forward"))  # noqa: B009
+        params = list(inspect.signature(forward).parameters.values())[1:]  # drop self
+        positional = tuple(p.name for p in params if p.kind in _POSITIONAL_KINDS)
+        named = frozenset(
+            p.name
+            for p in params
+            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        )
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        cached = _forward_signatures[cls] = (positional, named, var_kw)
+    return cached
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from hyper_parallel.config import ConfigError, Configurable, enforce_module_conf
 from hyper_parallel.dmodule._forward import ForwardPlan
 from hyper_parallel.dmodule.local_map import local_states
 from hyper_parallel.dmodule.sharding import ShardingConfig
+from hyper_parallel.dmodule.validation import ShardingError, plan_parallelize
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
 from hyper_parallel.platform import get_platform
 
@@ -31,41 +32,13 @@ ParamInit = Callable[[torch.Tensor], object]
 
 _M = TypeVar("_M", bound="Module")
 
-# Positional parameter names of each class's forward (the signature is read once per class).
-_POSITIONAL_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_forward_signatures: dict[type, tuple[tuple[str, ...], frozenset[str], bool]] = {}
 # Per original class, its subclass whose forward runs the ForwardPlan (see _parallel_class).
 _parallel_classes: dict[type, type] = {}
 # Per platform class, its Module wrapper (see Module.from_nn_module).
 _wrapped_classes: dict[type, type] = {}
 
 
-def forward_signature(cls: type) -> tuple[tuple[str, ...], frozenset[str], bool]:
-    """``(positional names, all names, accepts **kwargs)`` of ``cls.forward``, cached per class.
-
-    Example::
-
-        >>> class Net(torch.nn.Module):
-        ...     def forward(self, x, mask=None, *, scale=1.0): ...
-        >>> positional, names, var_keyword = forward_signature(Net)
-        >>> positional, sorted(names), var_keyword
-        (('x', 'mask'), ['mask', 'scale', 'x'], False)
-    """
-    cached = _forward_signatures.get(cls)
-    if cached is None:
-        forward = cast("Callable[..., object]", getattr(cls, "forward"))  # noqa: B009
-        params = list(inspect.signature(forward).parameters.values())[1:]  # drop self
-        positional = tuple(p.name for p in params if p.kind in _POSITIONAL_KINDS)
-        named = frozenset(
-            p.name
-            for p in params
-            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        )
-        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        cached = _forward_signatures[cls] = (positional, named, var_kw)
-    return cached
-
-
+# Positional parameter names of each class's forward (the signature is read once per class).
 def distribute_state(
     tensor: torch.Tensor, mesh: DeviceMesh, placements: list[Placement]
 ) -> DTensor:
@@ -317,8 +290,6 @@ class Module(_PlatformModule, Configurable):
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
             model = Linear.Config().build().parallelize(mesh)
         """
-        from hyper_parallel.dmodule.validation import ShardingError, plan_parallelize
-
         plans, problems = plan_parallelize(self, mesh)
         if problems:
             raise ShardingError(type(self).__name__, problems)
@@ -339,7 +310,7 @@ class Module(_PlatformModule, Configurable):
                     if value is not None and id(value) in replaced:
                         states[name] = replaced[id(value)]
         for plan in plans:
-            module = plan.module
+            module = cast("Module", plan.module)
             if plan.forward is not None:
                 module._hp_forward_plan = plan.forward
                 module.__class__ = _parallel_class(type(module))

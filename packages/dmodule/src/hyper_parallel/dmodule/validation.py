@@ -4,14 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from hyper_parallel.dmodule._forward import ForwardPlan, OutputLayout, resolve_output_layout
-from hyper_parallel.dmodule.module import Module, forward_signature
+from hyper_parallel.dmodule._forward import (
+    ForwardPlan,
+    OutputLayout,
+    forward_signature,
+    resolve_output_layout,
+)
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Placement, Shard
+from hyper_parallel.dtensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Shard,
+    normalize_placements,
+)
 
 __all__ = [
     "ModulePlan",
@@ -39,6 +51,22 @@ class ShardingError(ValueError):
         )
 
 
+@runtime_checkable
+class _ShardableModule(Protocol):
+    """What validation reads of a :class:`~hyper_parallel.dmodule.Module` (``module.py``
+    imports this file, so it is matched by these members rather than imported)."""
+
+    @property
+    def sharding_config(self) -> ShardingConfig | None: ...
+
+    @property
+    def is_parallelized(self) -> bool: ...
+
+
+def _is_dmodule(module: torch.nn.Module) -> bool:
+    return isinstance(module, _ShardableModule)
+
+
 @dataclass
 class StatePlan:
     """One parameter or buffer to lay out: where it lives and its resolved placements."""
@@ -55,7 +83,7 @@ class ModulePlan:
     """What ``parallelize`` does to one :class:`Module` of the tree."""
 
     path: str
-    module: Module
+    module: torch.nn.Module
     states: list[StatePlan] = field(default_factory=list)
     forward: ForwardPlan | None = None
 
@@ -109,7 +137,7 @@ def plan_parallelize(
     claimed: dict[int, tuple[str, list[Placement]]] = {}
     local_map_roots: list[str] = []
     for path, sub in model.named_modules(remove_duplicate=True):
-        if not isinstance(sub, Module):
+        if not _is_dmodule(sub):
             continue
         label = _label(sub, path)
         if sub.is_parallelized:
@@ -193,11 +221,9 @@ def _resolve(
 
 
 def _normalized(
-    placements: list[Placement] | tuple[Placement, ...], ndim: int
+    placements: list[Placement] | tuple[Placement, ...], ndim: int, where: str
 ) -> tuple[Placement, ...]:
-    return tuple(
-        Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements
-    )
+    return normalize_placements(tuple(placements), len(placements), ndim, where=where)
 
 
 def _plan_states(
@@ -245,9 +271,12 @@ def _plan_states(
                 bad = True
         if bad:
             continue
-        wanted = _normalized(placements, tensor.ndim)
+        wanted = _normalized(placements, tensor.ndim, where)
         if isinstance(tensor, DTensor):
-            if tensor.device_mesh != mesh or _normalized(tensor.placements, tensor.ndim) != wanted:
+            if (
+                tensor.device_mesh != mesh
+                or _normalized(tensor.placements, tensor.ndim, where) != wanted
+            ):
                 problems.append(
                     f"{where}: already a DTensor on {tensor.device_mesh} with placements "
                     f"{tensor.placements}, but sharding_config expects {list(wanted)} on {mesh}"
@@ -255,7 +284,7 @@ def _plan_states(
             continue
         previous = claimed.get(id(tensor))
         if previous is not None:
-            if _normalized(previous[1], tensor.ndim) != wanted:
+            if _normalized(previous[1], tensor.ndim, where) != wanted:
                 problems.append(
                     f"{where}: the same tensor is also {previous[0]} with placements "
                     f"{previous[1]}; a shared state has one layout, found {placements}"
@@ -287,7 +316,7 @@ def _grad_placements_by_name(
 
 
 def _plan_forward(
-    module: Module,
+    module: torch.nn.Module,
     path: str,
     sc: ShardingConfig,
     mesh: DeviceMesh,

@@ -10,16 +10,22 @@ Example::
     w = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
 """
 
-from hyper_parallel.dtensor import _ops  # noqa: F401  (registers the sharding rules)
-from hyper_parallel.dtensor._api import DTensor, distribute_tensor, enforce_layout
-from hyper_parallel.dtensor._dispatch import (
+from hyper_parallel.dtensor import (
+    _ops,  # noqa: F401  (registers the sharding rules)
+    collectives,
+)
+from hyper_parallel.dtensor._dispatch import implicit_replication
+from hyper_parallel.dtensor._distribute import distribute_tensor
+from hyper_parallel.dtensor._layout import enforce_layout
+from hyper_parallel.dtensor._planning import (
     FallbackWarning,
     clear_plan_cache,
     fallback_counts,
-    implicit_replication,
     plan_cache_size,
     reset_fallback_counts,
 )
+from hyper_parallel.dtensor._spec import normalize_placements
+from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.debug import CommDebugMode
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -34,11 +40,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "clear_plan_cache",
+    "collectives",
     "distribute_tensor",
     "enforce_layout",
     "fallback_counts",
     "implicit_replication",
     "init_device_mesh",
+    "normalize_placements",
     "plan_cache_size",
     "reset_fallback_counts",
 ]

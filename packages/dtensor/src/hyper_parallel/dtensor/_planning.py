@@ -1,173 +1,100 @@
-"""Sharding plans: the rule registry, and deriving (and caching) one plan per op and layout.
+"""Sharding plans: derive one per op and argument layouts, cache it, run it.
 
-A rule sees an :class:`OpCall` (the call with each DTensor replaced by its spec,
-plus the global metadata of the outputs, from running the op on meta tensors) and
-answers a :class:`Decision` (input and output placements, optionally a local
-function). :func:`_make_plan` turns that into a :class:`_Plan` with everything a
-call needs precomputed: which inputs move, the output specs, what the op writes
-and returns. Plans are cached per op (:class:`_OpInfo`), keyed by argument specs.
+A plan is derived once per op and cache key (:func:`derive_plan`): the op runs on meta
+tensors for the global output metadata, the op's rule (see ``_registry``) answers a
+:class:`~hyper_parallel.dtensor._registry.Decision`, and everything a call needs is
+precomputed: which inputs move, the output specs, what the op writes and returns.
+:func:`run_plan` then does only that work per call.
+
+An op without a usable rule (none registered, declined, failed, or an impossible
+answer) gets a *fallback plan*: gather every input to Replicate, run the op on full
+tensors, return Replicate, and write the new value of an in-place argument back in its
+own layout (a Partial one becomes Replicate). Always correct, never fast: it warns once
+per op (:class:`FallbackWarning`) and counts every call (:func:`fallback_counts`).
+
+Nothing here imports the DTensor class: the dispatcher passes it in (``tensor_type``),
+so the class can import the dispatcher openly and imports flow one way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyper_parallel.dtensor._api import DTensor
-from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, local_shape_and_offset
+from hyper_parallel.dtensor import _registry
+from hyper_parallel.dtensor._redistribute import redistribute_local
+from hyper_parallel.dtensor._registry import Decision, LocalFn, OpCall, Rewrite, Rule, Special
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    local_shape_and_offset,
+    local_shard,
+    partial_to_replicate,
+    replicate_all,
+)
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement
 
+if TYPE_CHECKING:
+    from hyper_parallel.dtensor._tensor import DTensor
+
 __all__ = [
-    "Decision",
-    "OpCall",
+    "FallbackWarning",
+    "OpInfo",
+    "Plan",
     "clear_plan_cache",
+    "derive_plan",
+    "fallback_counts",
+    "op_info",
     "plan_cache_size",
     "plan_derivations",
-    "register_rule",
-    "register_special",
-    "register_tag_rule",
-    "rule_for",
+    "reset_fallback_counts",
+    "run_plan",
+    "swap_dtensors",
 ]
-
-aten = torch.ops.aten
 
 Placements = tuple[Placement, ...]
+TensorType = type["DTensor"]
+
+# How an op's result is built from the local call's result.
+WRAP = 0  # wrap every tensor output with its planned spec
+ALIASES = 1  # return the written DTensor arguments the schema's returns alias
+NOTHING = 2  # the op returns nothing (e.g. in-place foreach ops)
+
+_MAX_PLANS_PER_OP = 1024
 
 
-@dataclass(slots=True)
-class OpCall:
-    """What a sharding rule sees of one op call.
-
-    ``args``/``kwargs`` hold the call's arguments with each DTensor replaced by its
-    :class:`DTensorSpec`; ``specs`` lists those specs in argument order;
-    ``out_metas`` the global metadata of each tensor output (``None`` for
-    non-tensor outputs), in output order.
-    """
-
-    func: torch._ops.OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    specs: list[DTensorSpec]
-    mesh: DeviceMesh
-    out_metas: list[TensorMeta | None]
+class FallbackWarning(UserWarning):
+    """An op ran through the gather-compute-replicate fallback (correct, but slow)."""
 
 
-LocalFn = Callable[..., Any]
-
-
-Rewrite = Callable[
-    [Sequence[Any], dict[str, Any], list[tuple[int, ...] | None]],
-    tuple[Sequence[Any], dict[str, Any]],
-]
-
-
-@dataclass(slots=True)
-class Decision:
-    """A rule's answer: input placements (per spec), output placements (per output).
-
-    ``local_fn`` replaces the op for the local computation (called like the op,
-    on local tensors); ``rewrite(args, kwargs, out_local_shapes)`` rewrites the
-    non-tensor arguments of the local call (e.g. a view's target shape).
-    """
-
-    inputs: list[Placements]
-    outputs: list[Placements | None]
-    local_fn: LocalFn | None = None
-    rewrite: Rewrite | None = None
-
-
-Rule = Callable[[OpCall], "Decision | None"]
-
-
-Special = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], Any]
-
-
-_RULES: dict[Any, Rule] = {}
-
-
-_TAG_RULES: dict[Any, Rule] = {}
-
-
-_SPECIALS: dict[Any, Special] = {}
-
-
-def register_rule(*ops: Any) -> Callable[[Rule], Rule]:
-    """Register a sharding rule for op overloads (or whole overload packets).
-
-    Example::
-
-        @register_rule(torch.ops.aten.relu.default)
-        def relu_rule(call: OpCall) -> Decision: ...
-    """
-
-    def deco(rule: Rule) -> Rule:
-        for op in ops:
-            _RULES[op] = rule
-        _OPS.clear()
-        return rule
-
-    return deco
-
-
-def register_special(*ops: Any) -> Callable[[Special], Special]:
-    """Register a handler that takes the whole call (for ops that are not shard-local).
-
-    Example::
-
-        @register_special(torch.ops.aten.detach.default)
-        def detach(func, args, kwargs): ...
-    """
-
-    def deco(handler: Special) -> Special:
-        for op in ops:
-            _SPECIALS[op] = handler
-        _OPS.clear()
-        return handler
-
-    return deco
-
-
-def register_tag_rule(tag: Any, rule: Rule) -> None:
-    """Register the rule of every op carrying ``tag`` (e.g. ``torch.Tag.pointwise``).
-
-    Example::
-
-        register_tag_rule(torch.Tag.pointwise, pointwise_rule)
-    """
-    _TAG_RULES[tag] = rule
-    _OPS.clear()
-
-
-def rule_for(func: torch._ops.OpOverload) -> Rule | None:
-    """The rule of an op overload, of its overload packet, or of one of its tags.
-
-    An in-place op (``mul_``) without a rule of its own takes the tag rule of its
-    functional form (``mul``), which torch tags more consistently.
-    """
-    rule = _RULES.get(func) or _RULES.get(func.overloadpacket)
-    if rule is None:
-        rule = _tag_rule(func)
-    if rule is None and func._schema.name.endswith("_"):
-        functional = getattr(aten, func._schema.name.split("::")[-1][:-1], None)
-        overload = getattr(functional, func._overloadname, None) if functional is not None else None
-        if isinstance(overload, torch._ops.OpOverload):
-            rule = _tag_rule(overload)
-    return rule
-
-
-def _tag_rule(func: torch._ops.OpOverload) -> Rule | None:
-    for tag in func.tags:
-        rule = _TAG_RULES.get(tag)
-        if rule is not None:
-            return rule
-    return None
-
-
+_fallbacks: Counter[str] = Counter()
 _derivations = [0]
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many times each op has fallen back since the process started (or the last reset).
+
+    Example::
+
+        before = fallback_counts()
+    """
+    return dict(_fallbacks)
+
+
+def reset_fallback_counts() -> None:
+    """Forget the fallback counts.
+
+    Example::
+
+        reset_fallback_counts(); y = torch.sort(dt); fallback_counts()  # {'aten.sort.default': 1}
+    """
+    _fallbacks.clear()
 
 
 def plan_derivations() -> int:
@@ -180,22 +107,9 @@ def plan_derivations() -> int:
     return _derivations[0]
 
 
-# How an op's result is built from the local call's result.
-_WRAP = 0  # wrap every tensor output with its planned spec
-
-
-_ALIASES = 1  # return the written DTensor arguments the schema's returns alias
-
-
-_NOTHING = 2  # the op returns nothing (e.g. in-place foreach ops)
-
-
-_MAX_PLANS_PER_OP = 1024
-
-
 @dataclass(slots=True)
-class _OpInfo:
-    """What the dispatcher knows about one op overload, computed once."""
+class OpInfo:
+    """What planning knows about one op overload, computed once from its schema and the registry."""
 
     func: torch._ops.OpOverload
     special: Special | None
@@ -203,12 +117,12 @@ class _OpInfo:
     floats_by_type: bool  # float arguments key the cache by type only (the rule ignores values)
     written: tuple[str, ...]  # names of the arguments the op writes
     return_aliases: tuple[str | None, ...]  # per schema return: the written argument it is
-    plans: dict[Any, _Plan] = field(default_factory=dict)
+    plans: dict[Any, Plan] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
-class _Plan:
-    """Everything one call needs, precomputed from the rule's decision."""
+class Plan:
+    """Everything one call needs, precomputed from the rule's decision (or a fallback plan)."""
 
     fallback: bool
     fn: LocalFn
@@ -218,7 +132,7 @@ class _Plan:
     relabel: tuple[
         tuple[int, DTensorSpec], ...
     ] = ()  # written DTensors whose layout the op changes
-    result: int = _WRAP
+    result: int = WRAP
     returned: tuple[tuple[int, ...], ...] = ()  # per return: DTensor indices it aliases
     single: DTensorSpec | None = None  # the op returns one tensor, wrapped with this spec
     out_specs: tuple[DTensorSpec | None, ...] = ()
@@ -227,11 +141,14 @@ class _Plan:
     reason: str = ""
 
 
-_OPS: dict[int, _OpInfo] = {}
+def op_info(func: torch._ops.OpOverload) -> OpInfo:
+    """The planning state of ``func`` (derived on first use, again after a registration).
 
+    Example::
 
-def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
-    info = _OPS.get(id(func))
+        op_info(torch.ops.aten.mm.default).rule   # the matrix-product rule
+    """
+    info: OpInfo | None = _registry.derived.get(id(func))
     if info is None:
         schema = func._schema
         written = tuple(
@@ -247,16 +164,16 @@ def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
                         name = a.name
                         break
             aliases.append(name)
-        info = _OpInfo(
+        info = OpInfo(
             func=func,
-            special=_SPECIALS.get(func),
-            rule=rule_for(func),
+            special=_registry.special_for(func),
+            rule=_registry.rule_for(func),
             floats_by_type=torch.Tag.pointwise in func.tags
             or schema.name.startswith("aten::_foreach_"),
             written=written,
             return_aliases=tuple(aliases),
         )
-        _OPS[id(func)] = info
+        _registry.derived[id(func)] = info
     return info
 
 
@@ -267,7 +184,7 @@ def clear_plan_cache() -> None:
 
         clear_plan_cache(); plan_cache_size()  # 0
     """
-    for info in _OPS.values():
+    for info in _registry.derived.values():
         info.plans.clear()
 
 
@@ -278,126 +195,51 @@ def plan_cache_size() -> int:
 
         n = plan_cache_size(); dt + dt; dt + dt; plan_cache_size() - n  # at most 1
     """
-    return sum(len(info.plans) for info in _OPS.values())
+    return sum(len(info.plans) for info in _registry.derived.values())
 
 
-def _aliased_result(plan: _Plan, out: Any, dtensors: list[DTensor]) -> Any:
-    if plan.result == _NOTHING:
-        return out
-    results: list[Any] = []
-    for indices in plan.returned:
-        if len(indices) == 1:
-            results.append(dtensors[indices[0]])
-        else:
-            results.append([dtensors[i] for i in indices])
-    return results[0] if len(results) == 1 else tuple(results)
+# -- deriving a plan -------------------------------------------------------------------
 
 
-def _meta_like(spec: DTensorSpec) -> torch.Tensor:
-    meta = spec.tensor_meta
-    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+def derive_plan(
+    tensor_type: TensorType,
+    info: OpInfo,
+    key: tuple[Any, ...] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtensors: list[DTensor],
+) -> Plan:
+    """Derive the plan of a call and cache it under ``key`` (``None``: an uncacheable call).
 
+    Example::
 
-def _swap(value: Any, it: Iterator[Any]) -> Any:
-    if isinstance(value, DTensor):
-        return next(it)
-    if isinstance(value, (list, tuple)) and any(
-        isinstance(v, (DTensor, list, tuple)) for v in value
-    ):
-        return type(value)(_swap(v, it) for v in value)
-    return value
-
-
-def _swap_all(
-    args: tuple[Any, ...], kwargs: dict[str, Any], replacements: Sequence[Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` with each DTensor replaced, in order, by ``replacements``."""
-    it = iter(replacements)
-    new_args = tuple(_swap(a, it) for a in args)
-    new_kwargs = {k: _swap(v, it) for k, v in kwargs.items()}
-    return new_args, new_kwargs
-
-
-def _flatten_outputs(out: Any) -> list[Any]:
-    if isinstance(out, (list, tuple)):
-        flat: list[Any] = []
-        for o in out:
-            flat.extend(_flatten_outputs(o))
-        return flat
-    return [out]
-
-
-def _count_dtensors(value: Any) -> int:
-    if isinstance(value, DTensor):
-        return 1
-    if isinstance(value, (list, tuple)):
-        return sum(_count_dtensors(v) for v in value)
-    return 0
-
-
-def _dtensor_indices_by_argument(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, tuple[int, ...]]:
-    """Schema argument name -> indices (in dispatch order) of the DTensors it holds."""
-    names = [a.name for a in func._schema.arguments]
-    result: dict[str, tuple[int, ...]] = {}
-    start = 0
-    for i, a in enumerate(args):
-        n = _count_dtensors(a)
-        if i < len(names):
-            result[names[i]] = tuple(range(start, start + n))
-        start += n
-    for k, v in kwargs.items():
-        n = _count_dtensors(v)
-        result[k] = tuple(range(start, start + n))
-        start += n
-    return result
-
-
-def _fallback_plan(
-    info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str
-) -> _Plan:
-    plan = _Plan(fallback=True, fn=info.func, reason=reason)
-    _fill_mutation(plan, info, args, kwargs)
+        plan = derive_plan(DTensor, op_info(aten.add.Tensor), key, (a, b), {}, [a, b])
+    """
+    plan = _make_plan(tensor_type, info, args, kwargs, dtensors)
+    if key is not None:
+        if len(info.plans) >= _MAX_PLANS_PER_OP:
+            info.plans.clear()
+        info.plans[key] = plan
     return plan
 
 
-def _fill_mutation(
-    plan: _Plan, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    """Which DTensors the op writes, and which of them it returns."""
-    if not info.written:
-        return
-    by_arg = _dtensor_indices_by_argument(info.func, args, kwargs)
-    mutated: list[int] = []
-    for name in info.written:
-        mutated.extend(by_arg.get(name, ()))
-    plan.mutated = tuple(mutated)
-    if not info.return_aliases:
-        plan.result = _NOTHING
-    elif all(name is not None for name in info.return_aliases):
-        plan.result = _ALIASES
-        plan.returned = tuple(by_arg.get(name or "", ()) for name in info.return_aliases)
-        if any(not r for r in plan.returned):  # a written argument is a plain tensor
-            plan.result = _WRAP
-
-
 def _make_plan(
-    info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], dtensors: list[DTensor]
-) -> _Plan:
+    tensor_type: TensorType,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtensors: list[DTensor],
+) -> Plan:
     _derivations[0] += 1
     func = info.func
     rule = info.rule
     if rule is None:
-        return _fallback_plan(info, args, kwargs, "it has no sharding rule")
+        return _fallback_plan(tensor_type, info, args, kwargs, "it has no sharding rule")
     specs = [dt._spec for dt in dtensors]
-    mesh = specs[0].mesh
-    for s in specs[1:]:
-        if s.mesh != mesh:
-            raise ValueError(
-                f"{func}: DTensor arguments live on different meshes: {mesh} and {s.mesh}"
-            )
-    meta_args, meta_kwargs = _swap_all(args, kwargs, [_meta_like(s) for s in specs])
+    mesh = _common_mesh(func, specs)
+    meta_args, meta_kwargs = swap_dtensors(
+        tensor_type, args, kwargs, [_meta_like(s) for s in specs]
+    )
     if "device" in meta_kwargs:
         meta_kwargs["device"] = torch.device("meta")
     if meta_kwargs.get("pin_memory"):
@@ -405,27 +247,29 @@ def _make_plan(
     try:
         meta_out = func(*meta_args, **meta_kwargs)
     except (NotImplementedError, RuntimeError) as exc:
-        return _fallback_plan(info, args, kwargs, f"its meta computation failed ({exc})")
+        reason = f"its meta computation failed ({exc})"
+        return _fallback_plan(tensor_type, info, args, kwargs, reason)
     out_flat = _flatten_outputs(meta_out)
     out_metas: list[TensorMeta | None] = [
         TensorMeta(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else None
         for o in out_flat
     ]
-    spec_args, spec_kwargs = _swap_all(args, kwargs, specs)
+    spec_args, spec_kwargs = swap_dtensors(tensor_type, args, kwargs, specs)
     call = OpCall(func, spec_args, spec_kwargs, specs, mesh, out_metas)
     try:
         decision = rule(call)
     except Exception as exc:  # a rule that cannot handle this call: stay correct
-        return _fallback_plan(
-            info, args, kwargs, f"its sharding rule failed ({type(exc).__name__}: {exc})"
-        )
+        reason = f"its sharding rule failed ({type(exc).__name__}: {exc})"
+        return _fallback_plan(tensor_type, info, args, kwargs, reason)
     if decision is None:
-        return _fallback_plan(info, args, kwargs, "its sharding rule declined this call")
+        reason = "its sharding rule declined this call"
+        return _fallback_plan(tensor_type, info, args, kwargs, reason)
     problem = _check_decision(decision, specs, out_metas)
     if problem:
-        return _fallback_plan(info, args, kwargs, f"its sharding rule gave {problem}")
+        reason = f"its sharding rule gave {problem}"
+        return _fallback_plan(tensor_type, info, args, kwargs, reason)
 
-    plan = _Plan(fallback=False, fn=decision.local_fn or func._op, rewrite=decision.rewrite)
+    plan = Plan(fallback=False, fn=decision.local_fn or func._op, rewrite=decision.rewrite)
     moves: list[tuple[int, Placements]] = []
     moved_specs: list[DTensorSpec | None] = []
     for i, (spec, target) in enumerate(zip(specs, decision.inputs, strict=True)):
@@ -437,7 +281,7 @@ def _make_plan(
             moved_specs.append(None)
     plan.moves = tuple(moves)
     plan.moved_specs = tuple(moved_specs)
-    _fill_mutation(plan, info, args, kwargs)
+    _fill_mutation(tensor_type, plan, info, args, kwargs)
 
     out_specs: list[DTensorSpec | None] = []
     out_local_shapes: list[tuple[int, ...] | None] = []
@@ -452,7 +296,7 @@ def _make_plan(
             out_local_shapes.append(shape)
     plan.out_specs = tuple(out_specs)
     plan.out_local_shapes = out_local_shapes
-    if plan.result == _ALIASES:
+    if plan.result == ALIASES:
         relabel: list[tuple[int, DTensorSpec]] = []
         for indices, out_spec in zip(plan.returned, out_specs, strict=False):
             if len(indices) == 1 and out_spec is not None:
@@ -461,9 +305,19 @@ def _make_plan(
                 if out_spec.placements != before.placements:
                     relabel.append((i, before.with_placements(out_spec.placements)))
         plan.relabel = tuple(relabel)
-    if plan.result == _WRAP and isinstance(meta_out, torch.Tensor):
+    if plan.result == WRAP and isinstance(meta_out, torch.Tensor):
         plan.single = out_specs[0]
     return plan
+
+
+def _common_mesh(func: torch._ops.OpOverload, specs: Sequence[DTensorSpec]) -> DeviceMesh:
+    mesh = specs[0].mesh
+    for s in specs[1:]:
+        if s.mesh != mesh:
+            raise ValueError(
+                f"{func}: DTensor arguments live on different meshes: {mesh} and {s.mesh}"
+            )
+    return mesh
 
 
 def _check_decision(
@@ -486,13 +340,245 @@ def _check_decision(
     return ""
 
 
-def _wrap(out: Any, specs: Iterator[DTensorSpec | None]) -> Any:
+def _fallback_plan(
+    tensor_type: TensorType,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str,
+) -> Plan:
+    plan = Plan(fallback=True, fn=info.func, reason=reason)
+    _fill_mutation(tensor_type, plan, info, args, kwargs)
+    return plan
+
+
+def _fill_mutation(
+    tensor_type: TensorType,
+    plan: Plan,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Which DTensors the op writes, and which of them it returns."""
+    if not info.written:
+        return
+    by_arg = _dtensor_indices_by_argument(tensor_type, info.func, args, kwargs)
+    mutated: list[int] = []
+    for name in info.written:
+        mutated.extend(by_arg.get(name, ()))
+    plan.mutated = tuple(mutated)
+    if not info.return_aliases:
+        plan.result = NOTHING
+    elif all(name is not None for name in info.return_aliases):
+        plan.result = ALIASES
+        plan.returned = tuple(by_arg.get(name or "", ()) for name in info.return_aliases)
+        if any(not r for r in plan.returned):  # a written argument is a plain tensor
+            plan.result = WRAP
+
+
+def _dtensor_indices_by_argument(
+    tensor_type: TensorType,
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, tuple[int, ...]]:
+    """Schema argument name -> indices (in dispatch order) of the DTensors it holds."""
+    names = [a.name for a in func._schema.arguments]
+    result: dict[str, tuple[int, ...]] = {}
+    start = 0
+    for i, a in enumerate(args):
+        n = _count_dtensors(tensor_type, a)
+        if i < len(names):
+            result[names[i]] = tuple(range(start, start + n))
+        start += n
+    for k, v in kwargs.items():
+        n = _count_dtensors(tensor_type, v)
+        result[k] = tuple(range(start, start + n))
+        start += n
+    return result
+
+
+def _count_dtensors(tensor_type: TensorType, value: Any) -> int:
+    if isinstance(value, tensor_type):
+        return 1
+    if isinstance(value, (list, tuple)):
+        return sum(_count_dtensors(tensor_type, v) for v in value)
+    return 0
+
+
+def _meta_like(spec: DTensorSpec) -> torch.Tensor:
+    meta = spec.tensor_meta
+    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+
+def _flatten_outputs(out: Any) -> list[Any]:
+    if isinstance(out, (list, tuple)):
+        flat: list[Any] = []
+        for o in out:
+            flat.extend(_flatten_outputs(o))
+        return flat
+    return [out]
+
+
+def swap_dtensors(
+    tensor_type: TensorType,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    replacements: Sequence[Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with each DTensor replaced, in order, by ``replacements``.
+
+    Example::
+
+        local_args, local_kwargs = swap_dtensors(DTensor, (a, 2), {}, [a._local_tensor])
+    """
+    it = iter(replacements)
+    new_args = tuple(_swap(tensor_type, a, it) for a in args)
+    new_kwargs = {k: _swap(tensor_type, v, it) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _swap(tensor_type: TensorType, value: Any, it: Iterator[Any]) -> Any:
+    if isinstance(value, tensor_type):
+        return next(it)
+    if isinstance(value, (list, tuple)) and any(
+        isinstance(v, (tensor_type, list, tuple)) for v in value
+    ):
+        return type(value)(_swap(tensor_type, v, it) for v in value)
+    return value
+
+
+# -- running a plan --------------------------------------------------------------------
+
+
+def run_plan(
+    tensor_type: TensorType,
+    plan: Plan,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtensors: list[DTensor],
+    flat_locals: list[Any] | None,
+) -> Any:
+    """Run one call by its plan: move the inputs it names, compute locally, wrap the results.
+
+    ``flat_locals`` is the local call's positional arguments when no DTensor sits in a
+    list or in ``kwargs`` (the dispatcher collects it while keying), else ``None``.
+
+    Example::
+
+        out = run_plan(DTensor, plan, (a, b), {}, [a, b], [a._local_tensor, b._local_tensor])
+    """
+    if plan.fallback:
+        return _run_fallback(tensor_type, plan, args, kwargs, dtensors)
+    local_args: Sequence[Any]
+    local_kwargs: dict[str, Any]
+    if plan.moves:
+        locals_ = [dt._local_tensor for dt in dtensors]
+        for i, target in plan.moves:
+            locals_[i] = redistribute_local(locals_[i], dtensors[i]._spec, target)
+        for i in plan.mutated:
+            moved = plan.moved_specs[i]
+            if moved is not None:  # the op writes a tensor whose layout changes first
+                dt = dtensors[i]
+                dt._local_tensor = locals_[i]
+                dt._spec = moved
+        local_args, local_kwargs = swap_dtensors(tensor_type, args, kwargs, locals_)
+    elif flat_locals is not None:
+        local_args, local_kwargs = flat_locals, kwargs
+    else:
+        local_args, local_kwargs = swap_dtensors(
+            tensor_type, args, kwargs, [dt._local_tensor for dt in dtensors]
+        )
+    if plan.rewrite is not None:
+        local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.out_local_shapes)
+    out = plan.fn(*local_args, **local_kwargs)
+    single = plan.single
+    if single is not None:
+        return tensor_type(out, single)
+    if plan.result == WRAP:
+        return _wrap(tensor_type, out, iter(plan.out_specs))
+    for i, spec in plan.relabel:
+        dtensors[i]._spec = spec
+    return _aliased_result(plan, out, dtensors)
+
+
+def _wrap(tensor_type: TensorType, out: Any, specs: Iterator[DTensorSpec | None]) -> Any:
     if isinstance(out, torch.Tensor):
         spec = next(specs)
         if spec is None:
             return out
-        return DTensor(out, spec)
+        return tensor_type(out, spec)
     if isinstance(out, (list, tuple)):
-        return type(out)(_wrap(o, specs) for o in out)
+        return type(out)(_wrap(tensor_type, o, specs) for o in out)
     next(specs, None)
+    return out
+
+
+def _aliased_result(plan: Plan, out: Any, dtensors: list[DTensor]) -> Any:
+    if plan.result == NOTHING:
+        return out
+    results: list[Any] = []
+    for indices in plan.returned:
+        if len(indices) == 1:
+            results.append(dtensors[indices[0]])
+        else:
+            results.append([dtensors[i] for i in indices])
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _run_fallback(
+    tensor_type: TensorType,
+    plan: Plan,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtensors: list[DTensor],
+) -> Any:
+    func = plan.fn
+    name = str(func)
+    _fallbacks[name] += 1
+    if _fallbacks[name] == 1:
+        warnings.warn(
+            f"hyper_parallel.dtensor: {name} ran on full tensors (gathered to Replicate) and "
+            f"returned Replicate because {plan.reason}. Correct, but it communicates and "
+            "computes the whole tensor on every rank.",
+            FallbackWarning,
+            stacklevel=5,
+        )
+    if not dtensors:
+        return func(*args, **kwargs)
+    mesh = _common_mesh(func, [dt._spec for dt in dtensors])  # type: ignore[arg-type]
+    replicate = replicate_all(mesh.ndim)
+    fulls = [redistribute_local(dt._local_tensor, dt._spec, replicate) for dt in dtensors]
+    full_args, full_kwargs = swap_dtensors(tensor_type, args, kwargs, fulls)
+    out = func(*full_args, **full_kwargs)
+    for i in plan.mutated:
+        _write_back(dtensors[i], fulls[i])
+    if plan.result == WRAP:
+        return _wrap_replicated(tensor_type, out, mesh)
+    return _aliased_result(plan, out, dtensors)
+
+
+def _write_back(dt: DTensor, full: torch.Tensor) -> None:
+    """Give a DTensor the new value of its full tensor, keeping its layout (Partial: Replicate)."""
+    spec = dt._spec
+    if full is dt._local_tensor:  # replicated: the op wrote its local tensor
+        return
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return
+    if spec.has_partial():
+        placements = partial_to_replicate(spec.placements)
+        dt._local_tensor = local_shard(full, mesh.shape, coordinate, placements)
+        dt._spec = spec.with_placements(placements)
+    else:
+        dt._local_tensor.copy_(local_shard(full, mesh.shape, coordinate, spec.placements))
+
+
+def _wrap_replicated(tensor_type: TensorType, out: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(out, torch.Tensor):
+        meta = TensorMeta(out.shape, out.stride(), out.dtype)
+        return tensor_type(out, DTensorSpec(mesh, replicate_all(mesh.ndim), meta))
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_replicated(tensor_type, o, mesh) for o in out)
     return out

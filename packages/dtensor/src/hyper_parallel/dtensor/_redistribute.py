@@ -7,17 +7,17 @@ shards are padded to the largest chunk for the collective and trimmed after.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
-from hyper_parallel.dtensor import _comm_log
+from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
-__all__ = ["check_redistribute_target", "redistribute_local"]
+__all__ = ["check_redistribute_target", "pad_dim", "redistribute_local"]
 
 
 def check_redistribute_target(
@@ -33,7 +33,8 @@ def check_redistribute_target(
             )
 
 
-def _pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+def pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` padded with zeros along ``dim`` to ``length`` (``t`` itself when long enough)."""
     missing = length - t.shape[dim]
     if missing == 0:
         return t
@@ -66,7 +67,7 @@ def _split_to_stacked(t: torch.Tensor, dim: int, bounds: Sequence[int]) -> torch
         shape[dim : dim + 1] = [n, full]
         return t.reshape(shape).movedim(dim, 0) if full > 0 else t.new_zeros([n, *t.shape])
     pieces = [
-        _pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)
+        pad_dim(t.narrow(dim, bounds[r], bounds[r + 1] - bounds[r]), dim, full) for r in range(n)
     ]
     return torch.stack(pieces, dim=0)
 
@@ -119,30 +120,22 @@ def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[
     )
 
 
-def redistribute_local(
-    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
-) -> torch.Tensor:
-    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
+@functools.lru_cache(maxsize=4096)
+def _program(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> tuple[tuple[Placement, ...], frozenset[int], frozenset[int]] | None:
+    """What a move from ``src`` to ``dst`` does, decided once per layout pair and mesh shape.
 
-    Raises ``ValueError`` for a move to Partial (see :func:`check_redistribute_target`).
+    ``(src relabelled, all-to-all axes, all-gather axes)``; ``None`` when nothing moves.
+    Raises ``ValueError`` for a move to Partial.
     """
-    src = spec.placements
-    if src == dst:
-        return local
-    mesh = spec.mesh
     # Along a mesh axis of one rank every placement holds the same local values: relabel.
     src = tuple(
-        d if mesh.size(axis) == 1 else s for axis, (s, d) in enumerate(zip(src, dst, strict=True))
+        d if mesh_shape[axis] == 1 else s for axis, (s, d) in enumerate(zip(src, dst, strict=True))
     )
     if src == dst:
-        return local
+        return None
     check_redistribute_target(src, dst, where="redistribute")
-    platform = get_platform()
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return local
-    global_shape = spec.shape
-
     all_to_all_axes: set[int] = set()
     for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         if (
@@ -154,6 +147,27 @@ def redistribute_local(
         ):
             all_to_all_axes.add(i)
     gather = _gather_set(src, dst, all_to_all_axes)
+    return src, frozenset(all_to_all_axes), frozenset(gather)
+
+
+def redistribute_local(
+    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
+) -> torch.Tensor:
+    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
+
+    Raises ``ValueError`` for a move to Partial (see :func:`check_redistribute_target`).
+    """
+    if spec.placements == dst:
+        return local
+    mesh = spec.mesh
+    program = _program(spec.placements, dst, mesh.shape)
+    if program is None:
+        return local
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return local
+    src, all_to_all_axes, gather = program
+    global_shape = spec.shape
     current: list[Placement] = list(src)
 
     # 1. all-gather, innermost axis first, so nested shards of one dim unwind in order.
@@ -163,9 +177,8 @@ def redistribute_local(
         n = mesh.size(axis)
         parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
         bounds = chunk_bounds(parent, n)
-        padded = _pad_dim(local, p.dim, bounds[1] - bounds[0])
-        stacked = platform.all_gather(padded, mesh.get_group(axis))
-        _comm_log.record("all_gather", padded, n)
+        padded = pad_dim(local, p.dim, bounds[1] - bounds[0])
+        stacked = collectives.all_gather(padded, mesh, axis)
         local = _stacked_to_dim(stacked, p.dim, bounds)
         current[axis] = Replicate()
 
@@ -174,20 +187,17 @@ def redistribute_local(
         if not isinstance(s, Partial) or s == d:
             continue
         n = mesh.size(axis)
-        group = mesh.get_group(axis)
         if isinstance(d, Shard) and _is_lone_shard(d.dim, axis, current, dst):
             bounds = chunk_bounds(local.shape[d.dim], n)
             stacked = _split_to_stacked(local, d.dim, bounds)
-            reduced = platform.reduce_scatter(stacked, group, s.reduce_op)
-            _comm_log.record("reduce_scatter", stacked, n)
+            reduced = collectives.reduce_scatter(stacked, mesh, axis, s.reduce_op)
             r = mesh.get_local_rank(axis)
             local = reduced.narrow(d.dim, 0, bounds[r + 1] - bounds[r])
             if local.shape[d.dim] != reduced.shape[d.dim]:
                 local = local.contiguous()
             current[axis] = d
         else:
-            local = platform.all_reduce(local, group, s.reduce_op)
-            _comm_log.record("all_reduce", local, n)
+            local = collectives.all_reduce(local, mesh, axis, s.reduce_op)
             current[axis] = Replicate()
 
     # 3. all-to-all between two lone shards of one axis.
@@ -198,10 +208,9 @@ def redistribute_local(
         r = mesh.get_local_rank(axis)
         src_bounds = chunk_bounds(global_shape[s.dim], n)
         dst_bounds = chunk_bounds(global_shape[d.dim], n)
-        padded = _pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
+        padded = pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
         stacked = _split_to_stacked(padded, d.dim, dst_bounds)
-        exchanged = platform.all_to_all(stacked, mesh.get_group(axis))
-        _comm_log.record("all_to_all", stacked, n)
+        exchanged = collectives.all_to_all(stacked, mesh, axis)
         # slot j holds rank j's rows of dim s.dim (padded) for this rank's chunk of d.dim
         mine = dst_bounds[r + 1] - dst_bounds[r]
         exchanged = exchanged.narrow(d.dim + 1, 0, mine)

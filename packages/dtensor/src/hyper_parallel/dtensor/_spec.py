@@ -16,10 +16,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DTensorSpec",
     "TensorMeta",
+    "check_same_mesh",
     "chunk_bounds",
     "chunk_range",
+    "contiguous_strides",
     "local_shape_and_offset",
+    "local_shard",
     "normalize_placements",
+    "partial_to_replicate",
+    "replicate_all",
 ]
 
 
@@ -29,8 +34,8 @@ class TensorMeta:
     __slots__ = ("_hash", "dtype", "shape", "stride")
 
     def __init__(self, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> None:
-        self.shape = tuple(int(s) for s in shape)
-        self.stride = tuple(int(s) for s in stride)
+        self.shape = tuple(map(int, shape))
+        self.stride = tuple(map(int, stride))
         self.dtype = dtype
         self._hash = hash((self.shape, self.stride, self.dtype))
 
@@ -212,6 +217,87 @@ def local_shape_and_offset(
     return tuple(shape), tuple(offset)
 
 
+def local_shard(
+    full: torch.Tensor,
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> torch.Tensor:
+    """The rank at ``coordinate``'s shard of ``full`` laid out as ``placements`` (a new tensor).
+
+    Example::
+
+        >>> local_shard(torch.arange(5), (2,), (1,), (Shard(0),))
+        tensor([3, 4])
+    """
+    shape, offset = local_shape_and_offset(full.shape, mesh_shape, coordinate, placements)
+    local = full
+    for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
+        if length != full.shape[dim]:
+            local = local.narrow(dim, start, length)
+    return local.clone(memory_format=torch.contiguous_format)
+
+
+_REPLICATE = Replicate()
+
+
 def replicate_all(ndim: int) -> tuple[Placement, ...]:
-    """``(Replicate(),) * ndim``."""
-    return (Replicate(),) * ndim
+    """Replicate on every one of ``ndim`` mesh axes.
+
+    Example::
+
+        >>> replicate_all(2)
+        (Replicate(), Replicate())
+    """
+    return _replicate_all(ndim)
+
+
+@functools.lru_cache(maxsize=16)
+def _replicate_all(ndim: int) -> tuple[Placement, ...]:
+    return (_REPLICATE,) * ndim
+
+
+def partial_to_replicate(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``placements`` with every Partial made Replicate: the layout once partial values are reduced.
+
+    It is the layout of a gradient of a leaf, of a value a fallback wrote, of a tensor
+    a random fill overwrote.
+
+    Example::
+
+        >>> partial_to_replicate((Partial(), Shard(0)))
+        (Replicate(), Shard(dim=0))
+    """
+    if not any(p.is_partial() for p in placements):
+        return placements
+    return tuple(_REPLICATE if p.is_partial() else p for p in placements)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``.
+
+    Example::
+
+        >>> contiguous_strides((2, 3, 4))
+        (12, 4, 1)
+    """
+    return _contiguous_strides(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides: list[int] = []
+    acc = 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def check_same_mesh(found: DeviceMesh, expected: DeviceMesh, *, where: str) -> None:
+    """Raise ``ValueError`` unless ``found`` is ``expected`` (moving between meshes is unsupported)."""
+    if found != expected:
+        raise ValueError(
+            f"{where}: moving between meshes is not supported; the tensor is on {expected}, "
+            f"found {found}"
+        )

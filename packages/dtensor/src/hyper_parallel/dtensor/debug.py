@@ -1,7 +1,7 @@
 """``CommDebugMode``: count the collectives DTensor ops issue, by kind, bytes and module.
 
-Collectives report through ``_comm_log.recording`` (a ContextVar of recorders);
-the mode adds its recorder on enter and removes it on exit. Module attribution
+Collectives report through :func:`~hyper_parallel.dtensor.collectives.observe_collectives`;
+the mode observes from enter to exit. Module attribution
 uses global forward pre/post hooks, so a collective issued while a module's
 ``forward`` runs is charged to that module's fully qualified name (the innermost
 module; ``""`` for the root, ``"global"`` outside any forward). Collectives issued
@@ -12,6 +12,7 @@ to the constructor (``named_modules()``); other modules show as their class name
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hyper_parallel.dtensor import _comm_log
-from hyper_parallel.dtensor._dispatch import fallback_counts
+from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._planning import fallback_counts
+from hyper_parallel.dtensor.collectives import CollectiveRecord
 
 __all__ = ["CommDebugMode"]
 
@@ -51,9 +53,10 @@ class CommDebugMode:
         self._bytes: Counter[str] = Counter()
         self._by_module: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._bytes_by_module: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._records: list[CollectiveRecord] = []
         self._stack: list[str] = []
         self._handles: list[RemovableHandle] = []
-        self._token: Any = None
+        self._observing: contextlib.ExitStack | None = None
         self._fallbacks_before: dict[str, int] = {}
         self._fallbacks: dict[str, int] = {}
         self._active = False
@@ -62,7 +65,8 @@ class CommDebugMode:
     def __enter__(self) -> CommDebugMode:
         if self._active:
             raise RuntimeError("CommDebugMode: already active; a mode cannot be entered twice")
-        self._token = _comm_log.recording.set((*_comm_log.recording.get(), self._record))
+        self._observing = contextlib.ExitStack()
+        self._observing.enter_context(collectives.observe_collectives(self._record))
         hooks = torch.nn.modules.module
         self._handles = [
             hooks.register_module_forward_pre_hook(self._enter_module),
@@ -81,7 +85,9 @@ class CommDebugMode:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        _comm_log.recording.reset(self._token)
+        if self._observing is not None:
+            self._observing.close()
+            self._observing = None
         after = fallback_counts()
         for op, n in after.items():
             grew = n - self._fallbacks_before.get(op, 0)
@@ -101,7 +107,9 @@ class CommDebugMode:
         if self._stack:
             self._stack.pop()
 
-    def _record(self, kind: str, nbytes: int, group_size: int) -> None:
+    def _record(self, record: CollectiveRecord) -> None:
+        kind, nbytes = record.kind, record.nbytes
+        self._records.append(record)
         if self._stack:
             where = self._stack[-1]
         elif torch._C._current_graph_task_id() != -1:
@@ -131,6 +139,15 @@ class CommDebugMode:
             comm.bytes()    # {"all_gather": 64}
         """
         return dict(self._bytes)
+
+    def records(self) -> list[CollectiveRecord]:
+        """Every collective in issue order: kind, this rank's input bytes, group size, mesh axis.
+
+        Example::
+
+            [(r.kind, r.mesh_axis, r.group_size) for r in comm.records()]  # [("all_reduce", "tp", 2)]
+        """
+        return list(self._records)
 
     def by_module(self) -> dict[str, dict[str, int]]:
         """Collective counts per module fqn (``"global"``, ``"backward"`` outside any forward).

@@ -41,6 +41,8 @@ class DeviceMesh:
     device_type: str
     mesh: torch.Tensor
     mesh_dim_names: tuple[str, ...] | None
+    #: Number of mesh axes (an attribute, not a property: the dispatcher reads it per op).
+    ndim: int
     _groups: dict[int, ProcessGroup]
     _coordinate: list[int] | None
 
@@ -52,7 +54,7 @@ class DeviceMesh:
         mesh_dim_names: tuple[str, ...] | None = None,
     ) -> None:
         platform = get_platform()
-        platform.backend_for(device_type)
+        platform.ensure_device_type(device_type)
         ranks = _as_rank_tensor(mesh)
         names = _check_names(mesh_dim_names, ranks.dim())
         if not platform.is_initialized():
@@ -90,6 +92,7 @@ class DeviceMesh:
         self._coordinate = where[0].tolist() if len(where) else None
         # value identity, computed once: specs hash and compare meshes on every op dispatch
         self._shape = tuple(int(s) for s in ranks.shape)
+        self.ndim = len(self._shape)
         self._groups = dict(groups) if groups is not None else self._create_groups()
         self._value_key = (device_type, self._shape, tuple(ranks.flatten().tolist()), names)
         self._value_hash = hash(self._value_key)
@@ -107,10 +110,6 @@ class DeviceMesh:
         return groups
 
     # -- shape -------------------------------------------------------------------
-    @property
-    def ndim(self) -> int:
-        """Number of mesh axes."""
-        return len(self._shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -312,7 +311,7 @@ def init_device_mesh(
         )
     _check_names(mesh_dim_names, len(shape))
     platform = get_platform()
-    platform.backend_for(device_type)
+    platform.ensure_device_type(device_type)
     if not platform.is_initialized():
         platform.init_process_group(device_type)
     world_size = platform.get_world_size()

@@ -29,8 +29,8 @@ class Platform(Protocol):
 
         >>> from hyper_parallel.platform import get_platform
         >>> platform = get_platform()
-        >>> platform.backend_for("cpu")
-        'gloo'
+        >>> platform.device_for("cpu")
+        device(type='cpu')
     """
 
     #: Short name under which the adapter is registered (``"torch"``).
@@ -39,32 +39,25 @@ class Platform(Protocol):
     Module: type[torch.nn.Module]
     #: The framework's parameter class (``torch.nn.Parameter``).
     Parameter: type[torch.nn.Parameter]
-    #: The framework's tensor class (``torch.Tensor``).
-    Tensor: type[torch.Tensor]
-
-    def is_tensor(self, obj: object) -> bool:
-        """True when ``obj`` is a framework tensor (including parameters and subclasses)."""
-        ...
 
     # -- devices ---------------------------------------------------------------
-    def backend_for(self, device_type: str) -> str:
-        """Communication backend for ``device_type``: cpu→gloo, cuda→nccl, npu→hccl."""
-        ...
-
     def device_for(self, device_type: str) -> torch.device:
         """This process's device of ``device_type`` (accelerators: ``LOCAL_RANK % count``)."""
         ...
 
     def ensure_device_type(self, device_type: str) -> None:
-        """Check ``device_type`` is usable here (for npu: import torch_npu), else raise clearly."""
+        """Check ``device_type`` is supported and usable here (npu: import torch_npu), else raise clearly."""
         ...
 
-    def get_rng_state(self, device: torch.device) -> torch.Tensor:
-        """A copy of the random generator state of ``device``."""
-        ...
+    def rng_is_sequential(self, device: torch.device) -> bool:
+        """True when ``device``'s generator is one stream that kernels consume in element order.
 
-    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
-        """Restore the random generator state of ``device`` from ``get_rng_state``."""
+        Then a random fill of ``N`` elements equals fills of consecutive pieces, and
+        hp-dtensor draws a sharded tensor's fill in bounded pieces (torch's CPU Mersenne
+        Twister). False for counter-based generators (CUDA and NPU Philox), whose
+        element-to-draw mapping follows the kernel's launch grid: the full tensor is
+        drawn at once and sliced.
+        """
         ...
 
     # -- process groups --------------------------------------------------------

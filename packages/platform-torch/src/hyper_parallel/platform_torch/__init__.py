@@ -8,8 +8,8 @@ collectives), ``devices`` (device specifics), ``launch`` (``run_distributed``).
 Example::
 
     >>> from hyper_parallel.platform_torch import TorchPlatform
-    >>> TorchPlatform().backend_for("cpu")
-    'gloo'
+    >>> TorchPlatform().device_for("cpu")
+    device(type='cpu')
 """
 
 from hyper_parallel.platform_torch.platform import TorchPlatform

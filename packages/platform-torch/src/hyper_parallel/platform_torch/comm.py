@@ -275,7 +275,7 @@ def all_reduce(
         tensor([1.5])  # on every rank of a 2-rank group
     """
     _check_reduce_op("all_reduce", tensor, reduce_op)
-    size, _ = _size_and_rank(group)
+    size = dist.get_world_size(group)
     out = _dense_copy(tensor)
     if size == 1:
         return out

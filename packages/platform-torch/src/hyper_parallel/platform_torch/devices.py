@@ -1,4 +1,4 @@
-"""Device specifics: backend per device type, this process's device, RNG, lazy torch_npu."""
+"""Device specifics: backend per device type, this process's device, RNG kind, lazy torch_npu."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ __all__ = [
     "backend_for",
     "device_for",
     "ensure_device_type",
-    "get_rng_state",
+    "rng_is_sequential",
     "set_current_device",
-    "set_rng_state",
 ]
 
 #: Communication backend of each supported device type.
@@ -128,36 +127,15 @@ def set_current_device(device_type: str) -> torch.device:
     return device
 
 
-def get_rng_state(device: torch.device) -> torch.Tensor:
-    """A copy of the random generator state of ``device``.
+def rng_is_sequential(device: torch.device) -> bool:
+    """True when ``device``'s default generator is one stream consumed in element order.
+
+    torch's CPU generator is a single Mersenne Twister; CUDA and NPU generators are
+    counter based (Philox), their draws mapped to elements by the kernel's launch grid.
 
     Example::
 
-        >>> state = get_rng_state(torch.device("cpu"))
-        >>> a = torch.rand(2); set_rng_state(state, torch.device("cpu"))
-        >>> torch.equal(a, torch.rand(2))
-        True
+        >>> rng_is_sequential(torch.device("cpu")), rng_is_sequential(torch.device("cuda"))
+        (True, False)
     """
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    if device.type == "npu":
-        state: torch.Tensor = _import_torch_npu().npu.get_rng_state(device)
-        return state
-    backend_for(device.type)
-    return torch.get_rng_state()
-
-
-def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    """Restore the random generator state of ``device`` from :func:`get_rng_state`.
-
-    Example::
-
-        >>> set_rng_state(get_rng_state(torch.device("cpu")), torch.device("cpu"))
-    """
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    elif device.type == "npu":
-        _import_torch_npu().npu.set_rng_state(state, device)
-    else:
-        backend_for(device.type)
-        torch.set_rng_state(state)
+    return device.type == "cpu"

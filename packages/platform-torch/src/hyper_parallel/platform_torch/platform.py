@@ -22,27 +22,18 @@ class TorchPlatform:
     Example::
 
         >>> platform = TorchPlatform()
-        >>> platform.name, platform.backend_for("cuda"), platform.is_tensor(torch.ones(1))
-        ('torch', 'nccl', True)
+        >>> platform.name, platform.rng_is_sequential(torch.device("cpu"))
+        ('torch', True)
     """
 
     name: str = "torch"
     Module: type[torch.nn.Module] = torch.nn.Module
     Parameter: type[torch.nn.Parameter] = torch.nn.Parameter
-    Tensor: type[torch.Tensor] = torch.Tensor
 
     def __repr__(self) -> str:
         return "TorchPlatform()"
 
-    def is_tensor(self, obj: object) -> bool:
-        """True for ``torch.Tensor`` instances, parameters and tensor subclasses included."""
-        return isinstance(obj, torch.Tensor)
-
     # -- devices ---------------------------------------------------------------
-    def backend_for(self, device_type: str) -> str:
-        """cpu→gloo, cuda→nccl, npu→hccl; ``ValueError`` naming the supported types otherwise."""
-        return devices.backend_for(device_type)
-
     def device_for(self, device_type: str) -> torch.device:
         """This process's device of ``device_type`` (accelerators: ``LOCAL_RANK % count``)."""
         return devices.device_for(device_type)
@@ -51,13 +42,9 @@ class TorchPlatform:
         """Raise a clear error unless ``device_type`` works here (npu: imports torch_npu)."""
         devices.ensure_device_type(device_type)
 
-    def get_rng_state(self, device: torch.device) -> torch.Tensor:
-        """A copy of the random generator state of ``device``."""
-        return devices.get_rng_state(device)
-
-    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
-        """Restore the random generator state of ``device``."""
-        devices.set_rng_state(state, device)
+    def rng_is_sequential(self, device: torch.device) -> bool:
+        """CPU: one Mersenne-Twister stream; CUDA/NPU: counter-based Philox (not sequential)."""
+        return devices.rng_is_sequential(device)
 
     # -- process groups --------------------------------------------------------
     def is_initialized(self) -> bool:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hyper_parallel.dtensor import DeviceMesh, DTensor
-from hyper_parallel.dtensor._comm_log import record
-from hyper_parallel.platform import get_platform
+from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
 
 __all__ = ["average_gradients", "synthetic_batch"]
 
@@ -50,19 +48,14 @@ def average_gradients(model: torch.nn.Module, mesh: DeviceMesh, axis: str = "dp"
     """
     if mesh.size(axis) == 1:
         return
-    platform = get_platform()
-    group, size = mesh.get_group(axis), mesh.size(axis)
     for param in model.parameters():
         grad = param.grad
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            local = grad.to_local()
-            record("all_reduce", local, size)
-            reduced = platform.all_reduce(local, group, "avg")
+            reduced = collectives.all_reduce(grad.to_local(), mesh, axis, "avg")
             param.grad = DTensor.from_local(
                 reduced, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()
             )
         else:
-            record("all_reduce", grad, size)
-            param.grad = platform.all_reduce(grad, group, "avg")
+            param.grad = collectives.all_reduce(grad, mesh, axis, "avg")

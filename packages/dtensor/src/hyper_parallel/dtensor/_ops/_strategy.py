@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from hyper_parallel.dtensor._dispatch import Decision, OpCall
+from hyper_parallel.dtensor._registry import Decision, OpCall
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 

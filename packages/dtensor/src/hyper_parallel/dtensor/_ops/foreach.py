@@ -15,20 +15,21 @@ from typing import Any, Literal
 
 import torch
 
-from hyper_parallel.dtensor import _comm_log
-from hyper_parallel.dtensor._dispatch import (
-    Decision,
-    OpCall,
-    dispatch_by_rules,
-    register_rule,
-    register_special,
-)
+from hyper_parallel.dtensor._dispatch import dispatch_by_rules
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
 from hyper_parallel.dtensor._ops.pointwise import pointwise_candidates
 from hyper_parallel.dtensor._redistribute import redistribute_local
-from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta
+from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule, register_special
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    partial_to_replicate,
+    replicate_all,
+)
+from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.dtensor.collectives import all_reduce
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
 aten = torch.ops.aten
 
@@ -85,7 +86,7 @@ def _foreach_rule(call: OpCall) -> Decision:
     inplace = call.func._schema.name.endswith("_")
     base = _base_op(call.func)
     mesh = call.mesh
-    replicate = (Replicate(),) * mesh.ndim
+    replicate = replicate_all(mesh.ndim)
     slots = _spec_slots(call)
     inputs: list[tuple[Placement, ...]] = [replicate] * len(call.specs)
     outputs: list[tuple[Placement, ...] | None] = [None] * len(call.out_metas)
@@ -153,10 +154,10 @@ def _foreach_in_place(
         for t in selves:
             spec = getattr(t, "_spec", None)
             if isinstance(spec, DTensorSpec) and spec.has_partial():
-                target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+                target = partial_to_replicate(spec.placements)
                 t._local_tensor = redistribute_local(t._local_tensor, spec, target)
                 t._spec = spec.with_placements(target)
-    dispatch_by_rules(func, args, kwargs)
+    dispatch_by_rules(DTensor, func, args, kwargs)
 
 
 # -- norms ------------------------------------------------------------------------------
@@ -170,13 +171,12 @@ def _norm_rule(call: OpCall) -> Decision:
     """
     specs = call.specs
     mesh = call.mesh
-    replicate = (Replicate(),) * mesh.ndim
-    inputs = [tuple(Replicate() if q.is_partial() else q for q in s.placements) for s in specs]
+    replicate = replicate_all(mesh.ndim)
+    inputs = [partial_to_replicate(s.placements) for s in specs]
     axes_of = [tuple(a for a, q in enumerate(pl) if isinstance(q, Shard)) for pl in inputs]
     decision = Decision(inputs, [replicate] * len(call.out_metas))
     if any(axes_of):
-        groups = [mesh.get_group(a) for a in range(mesh.ndim)]
-        decision.local_fn = _sharded_norms(axes_of, groups, mesh.shape)
+        decision.local_fn = _sharded_norms(axes_of, mesh)
     return decision
 
 
@@ -193,10 +193,8 @@ def _local_part(t: torch.Tensor, p: float, dtype: torch.dtype | None) -> torch.T
     return powered
 
 
-def _sharded_norms(
-    axes_of: list[tuple[int, ...]], groups: list[Any], mesh_shape: tuple[int, ...]
-) -> Any:
-    platform = get_platform()
+def _sharded_norms(axes_of: list[tuple[int, ...]], mesh: DeviceMesh) -> Any:
+    mesh_shape = mesh.shape
 
     def local_norms(
         tensors: list[torch.Tensor], ord: Any = 2, dtype: Any = None
@@ -206,13 +204,12 @@ def _sharded_norms(
         op: Literal["sum", "max", "min"] = "sum"
         if math.isinf(p):
             op = "max" if p > 0 else "min"
-        for axis, group in enumerate(groups):
+        for axis in range(mesh.ndim):
             members = [i for i, axes in enumerate(axes_of) if axis in axes]
             if not members or mesh_shape[axis] == 1:
                 continue
             packed = torch.stack([parts[i] for i in members])
-            reduced = platform.all_reduce(packed, group, op)
-            _comm_log.record("all_reduce", packed, mesh_shape[axis])
+            reduced = all_reduce(packed, mesh, axis, op)
             for j, i in enumerate(members):
                 parts[i] = reduced[j]
         out: list[torch.Tensor] = []

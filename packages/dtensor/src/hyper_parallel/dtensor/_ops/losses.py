@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor import _comm_log
-from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._spec import local_shape_and_offset
+from hyper_parallel.dtensor.collectives import all_reduce_over
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
@@ -71,8 +72,8 @@ def _nll_forward_rule(call: OpCall) -> Decision | None:
     class_sharded = any(p == Shard(class_dim) for p in x_layout)
     if class_sharded or (batch_axes and reduction == _MEAN):
         start, length = _class_range(call, 0, x_layout, class_dim) if class_sharded else (0, -1)
-        groups = [call.mesh.get_group(a) for a in batch_axes] if reduction == _MEAN else []
-        decision.local_fn = _nll_forward(start, length, class_sharded, groups)
+        axes = tuple(batch_axes) if reduction == _MEAN else ()
+        decision.local_fn = _nll_forward(start, length, class_sharded, call.mesh, axes)
     return decision
 
 
@@ -104,7 +105,9 @@ def _picked(
     return w, mine, column, torch.where(mine, picked, 0)
 
 
-def _nll_forward(start: int, length: int, class_sharded: bool, groups: list[Any]) -> Any:
+def _nll_forward(
+    start: int, length: int, class_sharded: bool, mesh: DeviceMesh, axes: tuple[int, ...]
+) -> Any:
     def nll(
         x: torch.Tensor,
         target: torch.Tensor,
@@ -119,7 +122,7 @@ def _nll_forward(start: int, length: int, class_sharded: bool, groups: list[Any]
         total = w.sum()
         loss = losses.sum()
         if reduction == _MEAN:
-            global_total = _comm_log.all_reduce_over(total, groups, "sum")
+            global_total = all_reduce_over(total, mesh, axes, "sum")
             loss = loss / global_total
         return loss, total
 

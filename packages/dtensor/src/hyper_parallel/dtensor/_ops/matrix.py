@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
 from hyper_parallel.dtensor._ops.pointwise import aligned_dim
+from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten

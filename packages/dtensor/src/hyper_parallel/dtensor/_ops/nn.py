@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._spec import local_shape_and_offset
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 

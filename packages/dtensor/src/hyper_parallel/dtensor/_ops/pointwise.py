@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule, register_tag_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule, register_tag_rule
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 

@@ -58,10 +58,16 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._api import DTensor, contiguous_strides
-from hyper_parallel.dtensor._dispatch import register_special
-from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, local_shape_and_offset
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate
+from hyper_parallel.dtensor._registry import register_special
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    contiguous_strides,
+    local_shape_and_offset,
+    partial_to_replicate,
+)
+from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.platform import get_platform
 
 __all__ = ["generation_chunk"]
 
@@ -242,7 +248,7 @@ def _shard_box(spec: DTensorSpec) -> _Box | None:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    placements = partial_to_replicate(spec.placements)
     shape, offset = local_shape_and_offset(spec.shape, mesh.shape, coordinate, placements)
     return _Box(spec.shape, shape, offset)
 
@@ -259,7 +265,8 @@ def fill_shard(
     chunk = _chunk_elements.get()
     device = local.device
     model: _StreamModel | None = None
-    if device.type == "cpu" and n > chunk and meta.stride == contiguous_strides(meta.shape):
+    sequential = get_platform().rng_is_sequential(device)
+    if sequential and n > chunk and meta.stride == contiguous_strides(meta.shape):
         try:
             key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "generator"))
             model = _stream_model(func, local.dtype, args, key)
@@ -303,11 +310,6 @@ def fill_shard(
         local.copy_(flat.view(local.shape))
 
 
-def _overwritten_placements(spec: DTensorSpec) -> tuple[Placement, ...]:
-    """A random fill overwrites every value: Partial axes become Replicate."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
-
-
 _RANDOM_FROM = getattr(aten.random_, "from")  # `from` is a Python keyword
 _IN_PLACE_FILLS = (
     aten.normal_.default,
@@ -330,7 +332,7 @@ def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
         raise TypeError(f"{func}: expected number arguments after the DTensor, found a tensor")
     spec: DTensorSpec = self._spec
-    placements = _overwritten_placements(spec)
+    placements = partial_to_replicate(spec.placements)  # a fill overwrites Partial values
     if placements != spec.placements:
         self._spec = spec.with_placements(placements)
     fill_shard(self._local_tensor, self._spec, func, rest, kwargs)
@@ -356,7 +358,7 @@ def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTen
     dtype = kwargs.get("dtype") or x.dtype
     device = kwargs.get("device") or x._local_tensor.device
     spec = x._spec
-    placements = _overwritten_placements(spec)
+    placements = partial_to_replicate(spec.placements)  # a fill overwrites Partial values
     meta = TensorMeta(spec.shape, contiguous_strides(spec.shape), dtype)
     out_spec = DTensorSpec(spec.mesh, placements, meta)
     box = _shard_box(out_spec)

@@ -8,10 +8,14 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor import _comm_log
-from hyper_parallel.dtensor._dispatch import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
+from hyper_parallel.dtensor.collectives import all_reduce_over
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+Over = tuple[DeviceMesh, tuple[int, ...]]
+"""The mesh axes an in-kernel reduction runs over."""
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -180,14 +184,14 @@ def _norm_rule(call: OpCall) -> Decision:
             outs.append(p)
     decision = Decision([tuple(ins)], [tuple(outs)])
     if sum_axes and (float(ord_) > 0):
-        groups = [(spec.mesh.get_group(a)) for a in sum_axes]
-        decision.local_fn = _sharded_norm(float(ord_), groups)
+        over = (spec.mesh, tuple(sum_axes))
+        decision.local_fn = _sharded_norm(float(ord_), over)
     elif sum_axes:
         return None  # type: ignore[return-value]
     return decision
 
 
-def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
+def _sharded_norm(ord_: float, over: Over) -> Any:
     def local_norm(
         x: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
     ) -> torch.Tensor:
@@ -201,9 +205,9 @@ def _sharded_norm(ord_: float, groups: list[Any]) -> Any:
                 if xs.numel()
                 else xs.abs().sum(dim=dims, keepdim=keepdim)
             )
-            return _comm_log.all_reduce_over(part, groups, "max")
+            return all_reduce_over(part, *over, "max")
         powered = torch.sum(xs.abs() ** ord_, dim=dims, keepdim=keepdim)
-        powered = _comm_log.all_reduce_over(powered, groups, "sum")
+        powered = all_reduce_over(powered, *over, "sum")
         return powered ** (1.0 / ord_)
 
     return local_norm
@@ -235,68 +239,68 @@ def _softmax_rule(call: OpCall) -> Decision:
     decision = choose(call, candidates)
     axes = [a for a, p in enumerate(decision.inputs[0]) if isinstance(p, Shard) and p.dim == dim]
     if axes:
-        groups = [call.mesh.get_group(a) for a in axes]
+        over = (call.mesh, tuple(axes))
         packet = call.func.overloadpacket
-        decision.local_fn = _SHARDED_SOFTMAX[packet](groups)
+        decision.local_fn = _SHARDED_SOFTMAX[packet](over)
     return decision
 
 
-def _all_reduce(t: torch.Tensor, groups: list[Any], op: Any) -> torch.Tensor:
-    return _comm_log.all_reduce_over(t, groups, op)
+def _all_reduce(t: torch.Tensor, over: Over, op: Any) -> torch.Tensor:
+    return all_reduce_over(t, *over, op)
 
 
-def _row_max(x: torch.Tensor, dim: int, groups: list[Any]) -> torch.Tensor:
+def _row_max(x: torch.Tensor, dim: int, over: Over) -> torch.Tensor:
     if x.shape[dim] == 0:  # an empty shard: -inf never wins the max
         shape = list(x.shape)
         shape[dim] = 1
         local = x.new_full(shape, float("-inf"))
     else:
         local = x.amax(dim, keepdim=True)
-    return _all_reduce(local, groups, "max")
+    return _all_reduce(local, over, "max")
 
 
-def _sharded_log_softmax(groups: list[Any]) -> Any:
+def _sharded_log_softmax(over: Over) -> Any:
     def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
         if half_to_float:
             x = x.float()
-        shifted = x - _row_max(x, dim, groups)
-        total = _all_reduce(shifted.exp().sum(dim, keepdim=True), groups, "sum")
+        shifted = x - _row_max(x, dim, over)
+        total = _all_reduce(shifted.exp().sum(dim, keepdim=True), over, "sum")
         return shifted - total.log()
 
     return log_softmax
 
 
-def _sharded_softmax(groups: list[Any]) -> Any:
+def _sharded_softmax(over: Over) -> Any:
     def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
         if half_to_float:
             x = x.float()
-        e = (x - _row_max(x, dim, groups)).exp()
-        return e / _all_reduce(e.sum(dim, keepdim=True), groups, "sum")
+        e = (x - _row_max(x, dim, over)).exp()
+        return e / _all_reduce(e.sum(dim, keepdim=True), over, "sum")
 
     return softmax
 
 
-def _sharded_log_softmax_backward(groups: list[Any]) -> Any:
+def _sharded_log_softmax_backward(over: Over) -> Any:
     def backward(
         grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
     ) -> torch.Tensor:
-        total = _all_reduce(grad.sum(dim, keepdim=True), groups, "sum")
+        total = _all_reduce(grad.sum(dim, keepdim=True), over, "sum")
         return (grad - out.exp() * total).to(input_dtype)
 
     return backward
 
 
-def _sharded_softmax_backward(groups: list[Any]) -> Any:
+def _sharded_softmax_backward(over: Over) -> Any:
     def backward(
         grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
     ) -> torch.Tensor:
-        total = _all_reduce((grad * out).sum(dim, keepdim=True), groups, "sum")
+        total = _all_reduce((grad * out).sum(dim, keepdim=True), over, "sum")
         return (out * (grad - total)).to(input_dtype)
 
     return backward
 
 
-_SHARDED_SOFTMAX: dict[Any, Callable[[list[Any]], Any]] = {
+_SHARDED_SOFTMAX: dict[Any, Callable[[Over], Any]] = {
     aten._log_softmax: _sharded_log_softmax,
     aten._softmax: _sharded_softmax,
     aten._log_softmax_backward_data: _sharded_log_softmax_backward,

@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._api import DTensor, _local_slice
-from hyper_parallel.dtensor._dispatch import dispatch_by_rules, register_special
+from hyper_parallel.dtensor._dispatch import dispatch_by_rules
 from hyper_parallel.dtensor._redistribute import redistribute_local
-from hyper_parallel.dtensor.placement_types import Replicate
+from hyper_parallel.dtensor._registry import register_special
+from hyper_parallel.dtensor._spec import local_shard, replicate_all
+from hyper_parallel.dtensor._tensor import DTensor
 
 aten = torch.ops.aten
 
@@ -40,7 +41,7 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         and tuple(src.shape) == dst._spec.shape
     )
     if not plain_full:
-        return dispatch_by_rules(func, args, kwargs)
+        return dispatch_by_rules(DTensor, func, args, kwargs)
     spec = dst._spec
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
@@ -50,7 +51,7 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 "copy_: cannot copy a plain tensor into a DTensor with Partial placements "
                 f"{spec.placements}; redistribute it to Replicate/Shard first"
             )
-        piece = _local_slice(src, mesh, coordinate, spec.placements)
+        piece = local_shard(src, mesh.shape, coordinate, spec.placements)
         dst._local_tensor.copy_(piece, *args[2:], **kwargs)
     return dst
 
@@ -59,5 +60,4 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``.item()``: the value of the whole (one-element) tensor, the same on every rank."""
     x: DTensor = args[0]
-    replicate = (Replicate(),) * x._spec.mesh.ndim
-    return func(redistribute_local(x._local_tensor, x._spec, replicate))
+    return func(redistribute_local(x._local_tensor, x._spec, replicate_all(x._spec.mesh.ndim)))

@@ -1,0 +1,189 @@
+"""The autograd functions of DTensor's conversions, and where their gradients go.
+
+``from_local``, ``to_local``, ``redistribute`` and ``enforce_layout`` are differentiable
+through the functions here; a leaf DTensor that requires grad gets a hook that lays its
+incoming gradients out like itself. The gradient rules are torch DTensor's:
+
+* the gradient of a redistribute input is laid out like the input, except that a
+  gradient which is not Partial is not turned back into Partial (it stays Replicate);
+* the gradient of a leaf (and of ``from_local``'s input) has the leaf's placements with
+  Partial made Replicate.
+
+Nothing here imports the DTensor class: new DTensors are built with the class of the
+tensors at hand, or the one the caller passes in, so the class imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._redistribute import redistribute_local
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    check_same_mesh,
+    contiguous_strides,
+    partial_to_replicate,
+    replicate_all,
+)
+from hyper_parallel.dtensor.placement_types import Placement, Replicate
+
+if TYPE_CHECKING:
+    from hyper_parallel.dtensor._tensor import DTensor
+
+__all__ = ["FromLocal", "Redistribute", "ToLocal", "ensure_leaf_grad_hook"]
+
+TensorType = type["DTensor"]
+
+
+def _grad_target(
+    forward: tuple[Placement, ...], grad: tuple[Placement, ...]
+) -> tuple[Placement, ...]:
+    """Where the gradient of a redistribute input goes in backward (torch DTensor's rule).
+
+    The forward input's layout, except that a gradient which is not Partial is not
+    turned back into the Partial of the forward value: it stays Replicate. So a
+    Partial gradient of a Shard or Replicate input is reduced here.
+    """
+    target: list[Placement] = []
+    for fwd, cur in zip(forward, grad, strict=True):
+        if fwd.is_partial() and not cur.is_partial():
+            target.append(Replicate())
+        else:
+            target.append(fwd)
+    return tuple(target)
+
+
+def _as_dtensor_grad(tensor_type: TensorType, grad: torch.Tensor, like: DTensorSpec) -> DTensor:
+    """A gradient as a DTensor: a plain one of global shape is taken as replicated."""
+    if isinstance(grad, tensor_type):
+        return grad
+    if tuple(grad.shape) == like.shape:
+        return tensor_type(grad, like.with_placements(replicate_all(like.mesh.ndim)))
+    return tensor_type(grad, like)
+
+
+def _leaf_grad_hook(
+    tensor_type: TensorType, spec: DTensorSpec
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A gradient hook that lays an incoming gradient out like a leaf of layout ``spec``.
+
+    It holds the leaf's spec, not the leaf: no reference cycle, and no weak
+    reference (which ``torch.utils.swap_tensors``, used by ``Module.to_empty``, refuses).
+    """
+    target = partial_to_replicate(spec.placements)
+
+    def to_leaf_layout(grad: torch.Tensor) -> torch.Tensor | None:
+        grad_dt = _as_dtensor_grad(tensor_type, grad, spec)
+        if grad_dt._spec.placements == target and grad_dt is grad:
+            return None  # already laid out like the leaf: nothing to do
+        check_same_mesh(grad_dt._spec.mesh, spec.mesh, where="DTensor gradient hook")
+        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
+        return tensor_type(local, grad_dt._spec.with_placements(target))
+
+    return to_leaf_layout
+
+
+def ensure_leaf_grad_hook(dt: DTensor) -> None:
+    """Register the layout hook on a leaf that requires grad, once per tensor object.
+
+    Example::
+
+        ensure_leaf_grad_hook(w)   # w: a leaf DTensor with requires_grad=True
+    """
+    if dt.is_leaf and dt.requires_grad and getattr(dt, "_hp_grad_hook", None) is None:
+        hook = _leaf_grad_hook(type(dt), dt._spec)
+        dt._hp_grad_hook = dt.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _broadcast_replicated(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Replicate) and spec.mesh.size(axis) > 1:
+            local = collectives.broadcast(local, spec.mesh, axis, 0)
+    return local
+
+
+class FromLocal(torch.autograd.Function):
+    """``DTensor.from_local``: wrap a shard; its gradient is the leaf layout's local shard."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, spec: DTensorSpec, run_check: bool, tensor_type: TensorType
+    ) -> DTensor:
+        ctx.spec = spec
+        ctx.tensor_type = tensor_type
+        # The broadcast runs inside the Function, so gradients still reach the input.
+        value = _broadcast_replicated(local, spec) if run_check else local
+        if value is local:
+            value = local.view_as(local)
+        return tensor_type(value, spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        spec: DTensorSpec = ctx.spec
+        grad_dt = _as_dtensor_grad(ctx.tensor_type, grad, spec)
+        target = partial_to_replicate(spec.placements)
+        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
+        return local, None, None, None
+
+
+class ToLocal(torch.autograd.Function):
+    """``DTensor.to_local``: the shard; its gradient is wrapped as ``grad_placements``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, dt: DTensor, grad_placements: tuple[Placement, ...] | None
+    ) -> torch.Tensor:
+        ctx.spec = dt._spec
+        ctx.tensor_type = type(dt)
+        ctx.grad_placements = grad_placements
+        local = dt._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+        return ctx.tensor_type(grad, _grad_spec(ctx.spec, ctx.grad_placements, grad.dtype)), None
+
+
+@functools.lru_cache(maxsize=4096)
+def _grad_spec(
+    spec: DTensorSpec, grad_placements: tuple[Placement, ...] | None, dtype: torch.dtype
+) -> DTensorSpec:
+    """The spec of a ``to_local`` gradient: contiguous, laid out as ``grad_placements``."""
+    placements = grad_placements or spec.placements
+    meta = spec.tensor_meta
+    if meta.dtype != dtype or meta.stride != contiguous_strides(meta.shape):
+        meta = TensorMeta(meta.shape, contiguous_strides(meta.shape), dtype)
+    if placements == spec.placements and meta is spec.tensor_meta:
+        return spec
+    return DTensorSpec(spec.mesh, placements, meta)
+
+
+class Redistribute(torch.autograd.Function):
+    """``redistribute``/``enforce_layout``: move the shards; backward moves the gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:  # type: ignore[override]
+        src_spec = dt._spec
+        ctx.src_spec = src_spec
+        ctx.tensor_type = type(dt)
+        local = redistribute_local(dt._local_tensor, src_spec, dst)
+        if local is dt._local_tensor:
+            local = local.view_as(local)
+        return type(dt)(local, src_spec.with_placements(dst), requires_grad=dt.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+        src_spec: DTensorSpec = ctx.src_spec
+        tensor_type: TensorType = ctx.tensor_type
+        grad_dt = _as_dtensor_grad(tensor_type, grad, src_spec)
+        target = _grad_target(src_spec.placements, grad_dt._spec.placements)
+        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
+        return tensor_type(local, grad_dt._spec.with_placements(target)), None

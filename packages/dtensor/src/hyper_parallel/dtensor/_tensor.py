@@ -1,0 +1,324 @@
+"""DTensor: a torch.Tensor subclass whose metadata is the global tensor, holding the local shard.
+
+Every op on a DTensor reaches :meth:`DTensor.__torch_dispatch__`, which hands it to
+the dispatcher (``_dispatch``); the conversions (``from_local``, ``to_local``,
+``redistribute``) are the autograd functions of ``_autograd``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._autograd import FromLocal, Redistribute, ToLocal, ensure_leaf_grad_hook
+from hyper_parallel.dtensor._dispatch import dispatch
+from hyper_parallel.dtensor._redistribute import check_redistribute_target
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    check_same_mesh,
+    contiguous_strides,
+    local_shape_and_offset,
+    normalize_placements,
+    replicate_all,
+)
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.placement_types import Placement, Shard
+
+__all__ = ["DTensor"]
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor: global shape, stride and dtype; a local shard on each rank.
+
+    Every torch op on DTensors gives the numbers the same op gives on the full
+    tensors, forward and backward. Build one with :meth:`from_local` or
+    :func:`distribute_tensor`.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        w = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        w.shape, w.to_local().shape   # (torch.Size([8, 4]), torch.Size([4, 4]))
+    """
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    _hp_grad_hook: RemovableHandle | None
+    __slots__ = ("_hp_grad_hook", "_local_tensor", "_spec")
+
+    @staticmethod
+    def __new__(
+        cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False
+    ) -> DTensor:
+        meta = spec.tensor_meta
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            dtype=meta.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return dispatch(DTensor, func, args, kwargs or {})
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner_tensors: dict[str, torch.Tensor],
+        flatten_spec: tuple[DTensorSpec, bool],
+        outer_size: Any,
+        outer_stride: Any,
+    ) -> DTensor:
+        spec, requires_grad = flatten_spec
+        local = inner_tensors["_local_tensor"]
+        meta = TensorMeta(outer_size, outer_stride, local.dtype)
+        return DTensor(
+            local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=requires_grad
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+            f"placements={self._spec.placements})"
+        )
+
+    def requires_grad_(self, requires_grad: bool = True) -> DTensor:
+        """Set ``requires_grad`` in place; a leaf then lays its gradients out like itself.
+
+        The gradient of a leaf arrives in whatever layout backward produced (a
+        replicated weight used with sharded activations gets a Partial gradient); a
+        hook redistributes it to the leaf's placements (Partial becoming Replicate)
+        before it is accumulated into ``.grad``, so optimizers see matching layouts.
+        ``nn.Parameter(dt)`` goes through here.
+
+        Example::
+
+            w = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]).requires_grad_()
+        """
+        super().requires_grad_(requires_grad)
+        ensure_leaf_grad_hook(self)
+        return self
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """One placement per mesh axis."""
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh the shards live on."""
+        return self._spec.mesh
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        *,
+        run_check: bool = False,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> DTensor:
+        """Wrap this rank's shard as a DTensor; differentiable.
+
+        Without ``shape``, shards are assumed even (global size = local size x axis
+        size). Pass ``shape`` (and ``stride``) for uneven shards, or ``run_check=True``
+        to check the shards' shapes across ranks (and broadcast Replicate values
+        from the first rank of each axis).
+
+        Example::
+
+            dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # global (4, 4) on 2 ranks
+        """
+        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+            raise TypeError(
+                f"DTensor.from_local: expected a plain torch.Tensor, found {type(local_tensor).__name__}"
+            )
+        placements_t = normalize_placements(
+            placements, device_mesh.ndim, local_tensor.ndim, where="DTensor.from_local"
+        )
+        if shape is None and stride is None and not run_check:
+            # the common call (even shards): its spec is computed once per layout
+            spec = _even_spec(
+                device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
+            )
+            return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
+        if shape is None:
+            if run_check:
+                global_shape = _global_shape_from_shards(local_tensor, device_mesh, placements_t)
+            else:
+                global_shape = _even_global_shape(
+                    tuple(local_tensor.shape), device_mesh, placements_t
+                )
+        else:
+            global_shape = tuple(int(s) for s in shape)
+            if len(global_shape) != local_tensor.ndim:
+                raise ValueError(
+                    f"DTensor.from_local: shape {global_shape} has {len(global_shape)} dim(s), "
+                    f"the local tensor has {local_tensor.ndim}"
+                )
+        if stride is not None and len(stride) != len(global_shape):
+            raise ValueError(
+                f"DTensor.from_local: stride {tuple(stride)} has {len(stride)} entries, the "
+                f"global shape {global_shape} has {len(global_shape)} dim(s)"
+            )
+        problem = _shard_shape_problem(
+            tuple(local_tensor.shape), global_shape, device_mesh, placements_t
+        )
+        # Under run_check every rank learns whether any rank failed, so none is left waiting.
+        if (
+            run_check
+            and device_mesh.get_coordinate() is not None
+            and collectives.any_rank(problem is not None, device_mesh, local_tensor.device)
+            and problem is None
+        ):
+            raise ValueError(
+                "DTensor.from_local(run_check=True): another rank's local tensor does not "
+                f"fit global shape {global_shape} with placements {placements_t} (see the "
+                "error on that rank)"
+            )
+        if problem is not None:
+            raise ValueError(problem)
+        meta = TensorMeta(
+            global_shape,
+            tuple(stride) if stride is not None else contiguous_strides(global_shape),
+            local_tensor.dtype,
+        )
+        spec = DTensorSpec(device_mesh, placements_t, meta)
+        return FromLocal.apply(local_tensor, spec, run_check, DTensor)  # type: ignore[no-any-return]
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard as a plain tensor; differentiable.
+
+        ``grad_placements`` says how the gradient that flows back into the shard is
+        laid out (default: this DTensor's placements).
+
+        Example::
+
+            local = dt.to_local()
+        """
+        if grad_placements is not None:
+            grad_placements = normalize_placements(
+                grad_placements, self._spec.mesh.ndim, self.ndim, where="DTensor.to_local"
+            )
+        return ToLocal.apply(self, grad_placements)  # type: ignore[no-any-return]
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
+        """The same global tensor with other placements; differentiable.
+
+        Example::
+
+            full = dt.redistribute(placements=[Replicate()])
+        """
+        mesh = self._spec.mesh
+        if device_mesh is not None:
+            check_same_mesh(device_mesh, mesh, where="DTensor.redistribute")
+        if placements is None:
+            raise ValueError("DTensor.redistribute: placements are required")
+        dst = normalize_placements(placements, mesh.ndim, self.ndim, where="DTensor.redistribute")
+        check_redistribute_target(self._spec.placements, dst, where="DTensor.redistribute")
+        if dst == self._spec.placements:
+            return self
+        return Redistribute.apply(self, dst)  # type: ignore[no-any-return]
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank, as a plain tensor; differentiable.
+
+        Example::
+
+            full = dt.full_tensor()
+        """
+        replicated = self.redistribute(placements=replicate_all(self._spec.mesh.ndim))
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _global_shape_from_shards(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[int, ...]:
+    """Global shape from every rank's shard sizes (gathered along each sharding axis)."""
+    sizes = list(local.shape)
+    for axis in reversed(range(mesh.ndim)):
+        p = placements[axis]
+        if not isinstance(p, Shard):
+            continue
+        mine = torch.tensor([sizes[p.dim]], dtype=torch.int64, device=local.device)
+        gathered = collectives.all_gather(mine, mesh, axis)
+        sizes[p.dim] = int(gathered.sum().item())
+    return tuple(sizes)
+
+
+def _even_global_shape(
+    local_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[int, ...]:
+    """The global shape of even shards: each sharded dim times its axes' sizes."""
+    sizes = list(local_shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            sizes[p.dim] *= mesh.size(axis)
+    return tuple(sizes)
+
+
+def _shard_shape_problem(
+    local_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+) -> str | None:
+    """Why this rank's shard cannot be its piece of ``global_shape`` (None when it can)."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    expected, _ = local_shape_and_offset(global_shape, mesh.shape, coordinate, placements)
+    if local_shape == expected:
+        return None
+    return (
+        f"DTensor.from_local: with global shape {global_shape} and placements "
+        f"{placements}, rank {mesh.get_rank()} (mesh coordinate {coordinate}) must hold a "
+        f"shard of shape {expected} (torch.chunk layout), found {local_shape}; pass shape= "
+        "for uneven shards"
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _even_spec(
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    local_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> DTensorSpec:
+    """The spec ``from_local`` gives even shards of ``local_shape`` (raises when they cannot be)."""
+    global_shape = _even_global_shape(local_shape, mesh, placements)
+    problem = _shard_shape_problem(local_shape, global_shape, mesh, placements)
+    if problem is not None:
+        raise ValueError(problem)
+    meta = TensorMeta(global_shape, contiguous_strides(global_shape), dtype)
+    return DTensorSpec(mesh, placements, meta)
