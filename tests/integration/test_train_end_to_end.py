@@ -210,11 +210,6 @@ def test_declared_layouts_give_megatrons_collectives() -> None:
     assert Partial() not in {p for layout in got["layouts"].values() for p in layout}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: hp-config cannot resolve ShardingConfig's string type aliases "
-    "(OutputShardings, NamedPlacement), so Config.to_dict fails on a config with a sharding_config",
-)
 def test_config_with_a_sharding_config_round_trips_through_its_dict() -> None:
     config = _config()
     assert Net.Config.from_dict(config.to_dict()) == config

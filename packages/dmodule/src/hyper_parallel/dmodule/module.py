@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast

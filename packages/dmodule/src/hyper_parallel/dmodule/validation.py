@@ -297,7 +297,7 @@ def _plan_states(
 def _grad_placements_by_name(
     spec: object,
     label: str,
-    module: Module,
+    module: torch.nn.Module,
     positional: tuple[str, ...],
     problems: list[str],
 ) -> Mapping[str, NamedPlacement] | None:
