@@ -1,7 +1,7 @@
 """The dispatcher itself: the decision cache, the fallback for ops without rules, mixed tensors.
 
 * A repeated call reuses its cached decision (no new derivation, cache size stable).
-* Ops without a sharding rule (cumsum on a sharded dim, sort, topk, flip, conv1d, ...)
+* Ops without a sharding rule (cumprod on a sharded dim, sort, kthvalue, flip, conv1d, ...)
   give the full-tensor results, warn ``FallbackWarning`` once per op and count in
   ``fallback_counts()``; in-place ops that fall back write their result back into
   each mutated DTensor in its own layout (foreach ops included).
@@ -60,15 +60,15 @@ def fallback_cases() -> list[OpCase]:
     every = [(Shard(0),), (Shard(1),), (_R,), (_P,)]
     return [
         OpCase(
-            "cumsum_sharded_dim",
-            lambda t: torch.cumsum(t, 0),
+            "cumprod_sharded_dim",
+            lambda t: torch.cumprod(t, 0),
             (x,),
             [(Shard(0),), (_P,)],
             rule=False,
         ),
         OpCase("cumsum_inplace", _cumsum_inplace, (x,), [(Shard(0),), (Shard(1),)], rule=False),
         OpCase("sort", lambda t: torch.sort(t, dim=1), (x,), every, rule=False),
-        OpCase("topk", lambda t: torch.topk(t, 3, dim=0), (x,), every, rule=False),
+        OpCase("kthvalue", lambda t: torch.kthvalue(t, 3, dim=0), (x,), every, rule=False),
         OpCase("flip", lambda t: torch.flip(t, (0,)), (x,), every, rule=False),
         OpCase(
             "conv1d",
@@ -106,9 +106,9 @@ def fallback_cases() -> list[OpCase]:
 def test_ops_without_rules_fall_back_to_correct_results(world_size: int) -> None:
     report = run_cases(fallback_cases, world_size)
     for op in (
-        "aten.cumsum.default",
+        "aten.cumprod.default",
         "aten.sort.default",
-        "aten.topk.default",
+        "aten.kthvalue.default",
         "aten.flip.default",
     ):
         assert report.fallbacks.get(op, 0) > 0, f"{op} did not fall back: {report.fallbacks}"
@@ -124,15 +124,15 @@ def _fallback_bookkeeping(world_size: int) -> dict[str, Any]:
     reset_fallback_counts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = torch.cumsum(x, 0)
-        second = torch.cumsum(x, 0)
+        first = torch.cumprod(x, 0)
+        second = torch.cumprod(x, 0)
     assert isinstance(first, DTensor) and isinstance(second, DTensor)
     fallback_warnings = [w for w in caught if issubclass(w.category, FallbackWarning)]
 
     inplace = distribute_tensor(full, mesh, [Shard(1)])
     inplace.cumsum_(0)  # falls back; the result goes back into the Shard(1) shards
     partial = DTensor.from_local(full / world_size, mesh, [_P])
-    partial.cumsum_(1)  # a Partial value becomes Replicate after an in-place fallback
+    partial.cumsum_(1)  # an in-place fallback writes its result back as Partial too
 
     a = distribute_tensor(full, mesh, [Shard(0)])
     b = distribute_tensor(full * 2, mesh, [Replicate()])
@@ -153,16 +153,16 @@ def _fallback_bookkeeping(world_size: int) -> dict[str, Any]:
 def test_fallback_warns_once_counts_every_call_and_writes_back_in_place(world_size: int) -> None:
     got = run_on_ranks(_fallback_bookkeeping, world_size, world_size)[0]
     full = torch.arange(24.0).reshape(6, 4)
-    torch.testing.assert_close(got["first"], torch.cumsum(full, 0))
-    torch.testing.assert_close(got["second"], torch.cumsum(full, 0))
+    torch.testing.assert_close(got["first"], torch.cumprod(full, 0))
+    torch.testing.assert_close(got["second"], torch.cumprod(full, 0))
     assert got["first_placements"] == (Replicate(),)
-    assert len(got["warnings"]) == 1 and "aten.cumsum.default" in got["warnings"][0]
-    assert got["counts"]["aten.cumsum.default"] == 2
+    assert len(got["warnings"]) == 1 and "aten.cumprod.default" in got["warnings"][0]
+    assert got["counts"]["aten.cumprod.default"] == 2
     assert got["counts"]["aten.cumsum_.default"] == 2
     torch.testing.assert_close(got["inplace"][0], torch.cumsum(full, 0))
     assert got["inplace"][1] == (Shard(1),)
     torch.testing.assert_close(got["partial"][0], torch.cumsum(full, 1))
-    assert got["partial"][1] == (Replicate(),)
+    assert got["partial"][1] == (_P,)
     a, a_placements, b, b_placements = got["foreach"]
     torch.testing.assert_close(a, full * 3)
     torch.testing.assert_close(b, full * 6)

@@ -113,6 +113,7 @@ def view_cases() -> list[OpCase]:
             _set_last_dim,
             (x, torch.tensor([c - 1, 0]), torch.randn(a, b, 2, generator=gen)),
             [(Shard(0), _R, Shard(0)), (Shard(1), _R, Shard(1)), (Shard(2), _R, _R)],
+            rule=None,  # writing a Shard(2) target along dim 2: the fallback keeps Shard(2)
         ),
     ]
     return cases

@@ -43,14 +43,15 @@ def distribute_state(
 ) -> DTensor:
     """Lay a full state tensor out over ``mesh`` (meta tensors give meta shards, no comm).
 
-    Real tensors are taken from the mesh's first rank, so every rank ends up with
-    slices of the same values even if their copies differed.
+    Real tensors are taken from the mesh's first rank (group rank 0 on every axis, as
+    torch's ``src_data_rank`` means), so every rank ends up with slices of the same
+    values even if their copies differed.
 
     Example::
 
         w = distribute_state(torch.randn(8, 4), mesh, [Shard(0)])
     """
-    src: int | None = None if tensor.is_meta else int(mesh.mesh.flatten()[0])
+    src: int | None = None if tensor.is_meta else 0
     return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=src)
 
 

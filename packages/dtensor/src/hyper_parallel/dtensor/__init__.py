@@ -16,6 +16,7 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
+from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
 from hyper_parallel.dtensor._planning import (
     FallbackWarning,
@@ -42,11 +43,17 @@ __all__ = [
     "clear_plan_cache",
     "collectives",
     "distribute_tensor",
+    "empty",
     "enforce_layout",
     "fallback_counts",
+    "full",
     "implicit_replication",
     "init_device_mesh",
     "normalize_placements",
+    "ones",
     "plan_cache_size",
+    "rand",
+    "randn",
     "reset_fallback_counts",
+    "zeros",
 ]

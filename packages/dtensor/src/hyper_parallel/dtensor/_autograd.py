@@ -167,23 +167,54 @@ def _grad_spec(
 
 
 class Redistribute(torch.autograd.Function):
-    """``redistribute``/``enforce_layout``: move the shards; backward moves the gradient back."""
+    """``redistribute``/``enforce_layout``: move the shards; backward moves the gradient back.
+
+    ``forward_dtype`` casts the shard before the move (the result has that dtype);
+    ``backward_dtype`` casts the gradient before its move, after which it returns to
+    the input's dtype (torch's ``redistribute(forward_dtype=, backward_dtype=)``).
+    """
 
     @staticmethod
-    def forward(ctx: Any, dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        dt: DTensor,
+        dst: tuple[Placement, ...],
+        forward_dtype: torch.dtype | None,
+        backward_dtype: torch.dtype | None,
+    ) -> DTensor:
         src_spec = dt._spec
         ctx.src_spec = src_spec
         ctx.tensor_type = type(dt)
-        local = redistribute_local(dt._local_tensor, src_spec, dst)
+        ctx.backward_dtype = backward_dtype
+        local = dt._local_tensor
+        moving = src_spec
+        if forward_dtype is not None and forward_dtype != local.dtype:
+            local = local.to(forward_dtype)
+            moving = _with_dtype(src_spec, forward_dtype)
+        local = redistribute_local(local, moving, dst)
         if local is dt._local_tensor:
             local = local.view_as(local)
-        return type(dt)(local, src_spec.with_placements(dst), requires_grad=dt.requires_grad)
+        return type(dt)(local, moving.with_placements(dst), requires_grad=dt.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[DTensor, None, None, None]:
         src_spec: DTensorSpec = ctx.src_spec
         tensor_type: TensorType = ctx.tensor_type
         grad_dt = _as_dtensor_grad(tensor_type, grad, src_spec)
         target = _grad_target(src_spec.placements, grad_dt._spec.placements)
-        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
-        return tensor_type(local, grad_dt._spec.with_placements(target)), None
+        input_dtype = src_spec.tensor_meta.dtype
+        moving_dtype = ctx.backward_dtype or input_dtype
+        local, spec = grad_dt._local_tensor, grad_dt._spec
+        if local.dtype != moving_dtype:
+            local, spec = local.to(moving_dtype), _with_dtype(spec, moving_dtype)
+        local = redistribute_local(local, spec, target)
+        if local.dtype != input_dtype:
+            local, spec = local.to(input_dtype), _with_dtype(spec, input_dtype)
+        return tensor_type(local, spec.with_placements(target)), None, None, None
+
+
+def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    meta = spec.tensor_meta
+    return DTensorSpec(spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, dtype))

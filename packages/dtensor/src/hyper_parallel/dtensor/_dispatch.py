@@ -182,7 +182,11 @@ def _mixed(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    if _implicit_replication.get() or func in _AUTOGRAD_MIXES:
+    if (
+        _implicit_replication.get()
+        or func in _AUTOGRAD_MIXES
+        or _only_one_element_plain(tensor_type, args, kwargs)
+    ):
         args, kwargs = _promote_plain(tensor_type, args, kwargs)
         return dispatch(tensor_type, func, args, kwargs)
     names = [a.name for a in func._schema.arguments]
@@ -203,6 +207,23 @@ def _mixed(
         "with DTensor.from_local(...) or distribute_tensor(...), or run the op under "
         "hyper_parallel.dtensor.implicit_replication() to treat it as Replicate()"
     )
+
+
+def _only_one_element_plain(
+    tensor_type: TensorType, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """True when every plain tensor argument holds one element: torch replicates those."""
+
+    def ok(v: Any) -> bool:
+        if isinstance(v, tensor_type):
+            return True
+        if isinstance(v, torch.Tensor):
+            return v.numel() == 1
+        if isinstance(v, (list, tuple)):
+            return all(ok(e) for e in v)
+        return True
+
+    return all(ok(a) for a in args) and all(ok(v) for v in kwargs.values())
 
 
 def _has_plain(tensor_type: TensorType, v: Any) -> bool:

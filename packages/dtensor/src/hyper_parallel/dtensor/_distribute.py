@@ -8,7 +8,8 @@ import torch
 
 from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._autograd import ensure_leaf_grad_hook
-from hyper_parallel.dtensor._redistribute import pad_dim
+from hyper_parallel.dtensor._rank_check import check_distribute_inputs
+from hyper_parallel.dtensor._redistribute import PlacementError, pad_dim, redistribute_local
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -17,27 +18,33 @@ from hyper_parallel.dtensor._spec import (
     local_shape_and_offset,
     local_shard,
     normalize_placements,
+    partial_to_replicate,
     replicate_all,
 )
 from hyper_parallel.dtensor._tensor import DTensor
-from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
+from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["distribute_tensor"]
 
 
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
 ) -> DTensor:
     """Lay a full tensor out over ``device_mesh``: a leaf DTensor holding this rank's shard.
 
-    With ``src_data_rank=k`` the values come from global rank ``k`` (scattered
-    along sharded axes, broadcast along replicated ones); with ``None`` every rank
-    slices its own copy, with no communication.
+    As in torch, ``src_data_rank=k`` is a group rank on each mesh axis: the values come
+    from the rank at mesh coordinate ``(k, ..., k)`` (scattered along Shard axes,
+    broadcast along Replicate and Partial axes); every rank must pass a tensor of the
+    same shape and dtype (checked: the same error on every rank otherwise). With
+    ``None`` every rank slices its own copy, with no communication. A Partial axis
+    holds the value split as torch splits it (``"sum"``: value / axis size). Ranks
+    outside the mesh hold an empty local tensor. ``device_mesh`` defaults to the mesh of
+    ``with mesh:``.
 
     Example::
 
@@ -45,33 +52,42 @@ def distribute_tensor(
     """
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor: the input is already a DTensor; use .redistribute()")
+    if device_mesh is None:
+        device_mesh = current_mesh("distribute_tensor")
     if placements is None:
         placements = replicate_all(device_mesh.ndim)
     placements_t = normalize_placements(
         placements, device_mesh.ndim, tensor.ndim, where="distribute_tensor"
     )
-    for axis, p in enumerate(placements_t):
-        if isinstance(p, Partial):
-            raise ValueError(
-                f"distribute_tensor: mesh axis {axis}: cannot distribute into {p!r}; a full "
-                "tensor is laid out with Shard(dim) or Replicate()"
+    if src_data_rank is not None:
+        too_small = [
+            (axis, n)
+            for axis, n in enumerate(device_mesh.shape)
+            if n > 1 and not 0 <= src_data_rank < n
+        ]
+        if too_small:
+            axis, n = too_small[0]
+            name = device_mesh.mesh_dim_names[axis] if device_mesh.mesh_dim_names else axis
+            raise PlacementError(
+                f"distribute_tensor: src_data_rank={src_data_rank} is a group rank on each "
+                f"mesh axis (as in torch), but mesh axis {name!r} has {n} ranks; expected "
+                f"0 <= src_data_rank < {n}, or None to slice every rank's own copy"
             )
-    world = device_mesh.mesh.flatten().tolist()
-    if src_data_rank is not None and src_data_rank not in world:
-        raise ValueError(
-            f"distribute_tensor: src_data_rank={src_data_rank} is not a rank of the mesh "
-            f"(ranks {world})"
-        )
     meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
     spec = DTensorSpec(device_mesh, placements_t, meta)
     coordinate = device_mesh.get_coordinate()
     data = tensor.detach()
+    # Partial axes are distributed as Replicate, then split (torch's partition).
+    laid_out = partial_to_replicate(placements_t)
     if coordinate is None:
         local = data.new_empty(0)
     elif src_data_rank is None:
-        local = local_shard(data, device_mesh.shape, coordinate, placements_t)
+        local = local_shard(data, device_mesh.shape, coordinate, laid_out)
     else:
-        local = _scatter_from(data, device_mesh, coordinate, placements_t, src_data_rank)
+        check_distribute_inputs(data, device_mesh)
+        local = _scatter_from(data, device_mesh, coordinate, laid_out, src_data_rank)
+    if coordinate is not None and laid_out != placements_t:
+        local = redistribute_local(local, spec.with_placements(laid_out), placements_t)
     result = DTensor(local, spec, requires_grad=tensor.requires_grad)
     ensure_leaf_grad_hook(result)
     return result
@@ -82,15 +98,15 @@ def _scatter_from(
     mesh: DeviceMesh,
     coordinate: Sequence[int],
     placements: Sequence[Placement],
-    src_rank: int,
+    src_group_rank: int,
 ) -> torch.Tensor:
-    """Scatter/broadcast axis by axis from ``src_rank``'s copy of ``full``.
+    """Scatter/broadcast axis by axis from the copy of ``full`` at coordinate ``(k, ..., k)``.
 
     After axis ``i``, every rank whose coordinates on the later axes equal the
     source's holds its piece; each axis's group then forwards it one step.
     """
-    src_coord = [int(c) for c in (mesh.mesh == src_rank).nonzero()[0].tolist()]
-    piece = full.contiguous()
+    src_coord = [src_group_rank if n > 1 else 0 for n in mesh.shape]
+    piece = full.resolve_conj().resolve_neg().contiguous()
     for axis, p in enumerate(placements):
         n = mesh.size(axis)
         if n == 1:

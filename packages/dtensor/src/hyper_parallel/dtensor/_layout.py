@@ -29,4 +29,4 @@ def enforce_layout(dt: DTensor, placements: Sequence[Placement]) -> DTensor:
     mesh = dt._spec.mesh
     dst = normalize_placements(placements, mesh.ndim, dt.ndim, where="enforce_layout")
     check_redistribute_target(dt._spec.placements, dst, where="enforce_layout")
-    return Redistribute.apply(dt, dst)  # type: ignore[no-any-return]
+    return Redistribute.apply(dt, dst, None, None)  # type: ignore[no-any-return]

@@ -33,8 +33,6 @@ from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
     local_shape_and_offset,
-    local_shard,
-    partial_to_replicate,
     replicate_all,
 )
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -139,6 +137,8 @@ class Plan:
     out_local_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
     rewrite: Rewrite | None = None
     reason: str = ""
+    outside: bool = False  # this rank is not in the mesh: it holds empty locals, computes nothing
+    returns_list: bool = False  # the op returns a Tensor[] (its outputs as a list)
 
 
 def op_info(func: torch._ops.OpOverload) -> OpInfo:
@@ -164,10 +164,14 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
                         name = a.name
                         break
             aliases.append(name)
+        rule = _registry.rule_for(func)
+        special = _registry.special_for(func)
+        if special is None and rule is None and _composite(func):
+            special = _decompose
         info = OpInfo(
             func=func,
-            special=_registry.special_for(func),
-            rule=_registry.rule_for(func),
+            special=special,
+            rule=rule,
             floats_by_type=torch.Tag.pointwise in func.tags
             or schema.name.startswith("aten::_foreach_"),
             written=written,
@@ -175,6 +179,23 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
         )
         _registry.derived[id(func)] = info
     return info
+
+
+def _composite(func: torch._ops.OpOverload) -> bool:
+    """True for ops torch defines by a decomposition (linear, matmul, reshape, ...)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+    )
+
+
+def _decompose(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a composite op as its decomposition, whose ops have rules.
+
+    Such ops reach DTensors whole only where autograd is off (``inference_mode``);
+    decomposing them there, as autograd does elsewhere, keeps e.g. a sharded weight
+    of ``linear`` in place instead of gathering it in the fallback.
+    """
+    return func.decompose(*args, **kwargs)
 
 
 def clear_plan_cache() -> None:
@@ -221,6 +242,11 @@ def derive_plan(
             info.plans.clear()
         info.plans[key] = plan
     return plan
+
+
+_KEEPS_WRITTEN_LAYOUT = (
+    "no layout of its sharding rule keeps the placements of the tensor it writes in place"
+)
 
 
 def _make_plan(
@@ -282,6 +308,12 @@ def _make_plan(
     plan.moves = tuple(moves)
     plan.moved_specs = tuple(moved_specs)
     _fill_mutation(tensor_type, plan, info, args, kwargs)
+    # An in-place or out= op keeps the layout of the tensor it writes (as torch), so views
+    # of it stay valid; a rule that would move it gives way to the fallback, which
+    # writes the result back in the tensor's own layout.
+    keeps_layout = torch.Tag.inplace_view not in func.tags
+    if keeps_layout and any(moved_specs[i] for i in plan.mutated):
+        return _fallback_plan(tensor_type, info, args, kwargs, _KEEPS_WRITTEN_LAYOUT)
 
     out_specs: list[DTensorSpec | None] = []
     out_local_shapes: list[tuple[int, ...] | None] = []
@@ -296,6 +328,9 @@ def _make_plan(
             out_local_shapes.append(shape)
     plan.out_specs = tuple(out_specs)
     plan.out_local_shapes = out_local_shapes
+    plan.outside = mesh.get_coordinate() is None
+    returns = func._schema.returns
+    plan.returns_list = len(returns) == 1 and str(returns[0].type).startswith("List")
     if plan.result == ALIASES:
         relabel: list[tuple[int, DTensorSpec]] = []
         for indices, out_spec in zip(plan.returned, out_specs, strict=False):
@@ -304,6 +339,8 @@ def _make_plan(
                 before = moved_specs[i] or specs[i]
                 if out_spec.placements != before.placements:
                     relabel.append((i, before.with_placements(out_spec.placements)))
+        if relabel and keeps_layout:
+            return _fallback_plan(tensor_type, info, args, kwargs, _KEEPS_WRITTEN_LAYOUT)
         plan.relabel = tuple(relabel)
     if plan.result == WRAP and isinstance(meta_out, torch.Tensor):
         plan.single = out_specs[0]
@@ -470,6 +507,8 @@ def run_plan(
     """
     if plan.fallback:
         return _run_fallback(tensor_type, plan, args, kwargs, dtensors)
+    if plan.outside:
+        return _outside_mesh_result(tensor_type, plan, dtensors)
     local_args: Sequence[Any]
     local_kwargs: dict[str, Any]
     if plan.moves:
@@ -559,20 +598,36 @@ def _run_fallback(
 
 
 def _write_back(dt: DTensor, full: torch.Tensor) -> None:
-    """Give a DTensor the new value of its full tensor, keeping its layout (Partial: Replicate)."""
+    """Give a DTensor the new value of its full tensor in its own layout, in its own storage.
+
+    The layout never changes (a Partial target gets its part of the value), so views of
+    the target taken before the op stay valid, as with torch's in-place ops.
+    """
     spec = dt._spec
     if full is dt._local_tensor:  # replicated: the op wrote its local tensor
         return
-    mesh = spec.mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
+    if spec.mesh.get_coordinate() is None:
         return
-    if spec.has_partial():
-        placements = partial_to_replicate(spec.placements)
-        dt._local_tensor = local_shard(full, mesh.shape, coordinate, placements)
-        dt._spec = spec.with_placements(placements)
-    else:
-        dt._local_tensor.copy_(local_shard(full, mesh.shape, coordinate, spec.placements))
+    replicated = spec.with_placements(replicate_all(spec.mesh.ndim))
+    dt._local_tensor.copy_(redistribute_local(full, replicated, spec.placements))
+
+
+def _outside_mesh_result(tensor_type: TensorType, plan: Plan, dtensors: list[DTensor]) -> Any:
+    """On a rank outside the mesh an op computes nothing: empty locals, as in torch."""
+    if plan.result != WRAP:
+        return _aliased_result(plan, None, dtensors)
+    device = dtensors[0]._local_tensor.device
+    outs = [
+        None
+        if spec is None
+        else tensor_type(torch.empty(0, dtype=spec.tensor_meta.dtype, device=device), spec)
+        for spec in plan.out_specs
+    ]
+    if plan.single is not None:
+        return outs[0]
+    if plan.returns_list:
+        return outs
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _wrap_replicated(tensor_type: TensorType, out: Any, mesh: DeviceMesh) -> Any:

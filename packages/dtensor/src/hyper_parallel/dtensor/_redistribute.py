@@ -17,20 +17,35 @@ from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["check_redistribute_target", "pad_dim", "redistribute_local"]
+__all__ = [
+    "PlacementError",
+    "check_redistribute_target",
+    "pad_dim",
+    "partition_replicated",
+    "redistribute_local",
+]
 
 
 def check_redistribute_target(
     src: Sequence[Placement], dst: Sequence[Placement], *, where: str
 ) -> None:
-    """Raise unless every target placement is reachable (Partial only when unchanged)."""
+    """Raise unless every target placement is reachable by ``redistribute`` (torch's rule).
+
+    A Partial target is reachable only unchanged or from a Shard (as ``Partial("sum")``:
+    each rank holds its shard in place and zeros elsewhere). The error is a
+    ``RuntimeError`` like torch's (and a ``ValueError``, as before).
+    """
     for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
-        if isinstance(d, Partial) and s != d:
-            raise ValueError(
-                f"{where}: mesh axis {axis}: cannot redistribute {s!r} to {d!r}; redistributing "
-                "to Partial is not supported (a Partial value only arises from computation). "
-                "Use Replicate() or Shard(dim) as the target."
+        if isinstance(d, Partial) and s != d and not (isinstance(s, Shard) and d.reduce_op == "sum"):
+            raise PlacementError(
+                f"{where}: mesh axis {axis}: cannot redistribute {s!r} to {d!r}; only Shard -> "
+                "Partial('sum') reaches a Partial (a Partial value otherwise only arises from "
+                "computation). Use Replicate() or Shard(dim) as the target."
             )
+
+
+class PlacementError(ValueError, RuntimeError):
+    """A layout that cannot be reached or kept; a ``RuntimeError`` where torch raises one."""
 
 
 def pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -123,11 +138,12 @@ def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[
 @functools.lru_cache(maxsize=4096)
 def _program(
     src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
-) -> tuple[tuple[Placement, ...], frozenset[int], frozenset[int]] | None:
+) -> tuple[tuple[Placement, ...], frozenset[int], frozenset[int], frozenset[int]] | None:
     """What a move from ``src`` to ``dst`` does, decided once per layout pair and mesh shape.
 
-    ``(src relabelled, all-to-all axes, all-gather axes)``; ``None`` when nothing moves.
-    Raises ``ValueError`` for a move to Partial.
+    ``(src relabelled, all-to-all axes, all-gather axes, shard -> Partial("sum") axes)``;
+    ``None`` when nothing moves. Any target is reachable: a Partial one by partitioning
+    the replicated value (the public API restricts that: :func:`check_redistribute_target`).
     """
     # Along a mesh axis of one rank every placement holds the same local values: relabel.
     src = tuple(
@@ -135,7 +151,6 @@ def _program(
     )
     if src == dst:
         return None
-    check_redistribute_target(src, dst, where="redistribute")
     all_to_all_axes: set[int] = set()
     for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         if (
@@ -146,17 +161,23 @@ def _program(
             and _is_lone_shard(d.dim, i, src, dst)
         ):
             all_to_all_axes.add(i)
-    gather = _gather_set(src, dst, all_to_all_axes)
-    return src, frozenset(all_to_all_axes), frozenset(gather)
+    # S -> Partial("sum") of a lone shard: the shard in place, zeros elsewhere (no collective).
+    to_partial = {
+        i
+        for i, (s, d) in enumerate(zip(src, dst, strict=True))
+        if isinstance(s, Shard)
+        and isinstance(d, Partial)
+        and d.reduce_op == "sum"
+        and _is_lone_shard(s.dim, i, src, dst)
+    }
+    gather = _gather_set(src, dst, all_to_all_axes | to_partial)
+    return src, frozenset(all_to_all_axes), frozenset(gather), frozenset(to_partial)
 
 
 def redistribute_local(
     local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
 ) -> torch.Tensor:
-    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
-
-    Raises ``ValueError`` for a move to Partial (see :func:`check_redistribute_target`).
-    """
+    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd)."""
     if spec.placements == dst:
         return local
     mesh = spec.mesh
@@ -166,9 +187,24 @@ def redistribute_local(
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return local
-    src, all_to_all_axes, gather = program
+    src, all_to_all_axes, gather, to_partial = program
     global_shape = spec.shape
     current: list[Placement] = list(src)
+
+    # 0. a lone shard becomes Partial("sum"): placed in a zero tensor of its parent's size.
+    for axis in sorted(to_partial):
+        p = current[axis]
+        assert isinstance(p, Shard)
+        n = mesh.size(axis)
+        parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
+        bounds = chunk_bounds(parent, n)
+        r = mesh.get_local_rank(axis)
+        shape = list(local.shape)
+        shape[p.dim] = parent
+        placed = local.new_zeros(shape)
+        placed.narrow(p.dim, bounds[r], bounds[r + 1] - bounds[r]).copy_(local)
+        local = placed
+        current[axis] = dst[axis]
 
     # 1. all-gather, innermost axis first, so nested shards of one dim unwind in order.
     for axis in sorted(gather, reverse=True):
@@ -184,7 +220,7 @@ def redistribute_local(
 
     # 2. reduce partial values: all-reduce, or reduce-scatter straight into a lone shard.
     for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
-        if not isinstance(s, Partial) or s == d:
+        if not isinstance(s, Partial) or s == d or current[axis] == d:
             continue
         n = mesh.size(axis)
         if isinstance(d, Shard) and _is_lone_shard(d.dim, axis, current, dst):
@@ -227,4 +263,29 @@ def redistribute_local(
             bounds = chunk_bounds(parent, n)
             local = _slice(local, d.dim, bounds[r], bounds[r + 1] - bounds[r])
             current[axis] = d
+
+    # 5. Replicate -> Partial (ops that write a Partial tensor, distribute_tensor): partition.
+    for axis, d in enumerate(dst):
+        if isinstance(d, Partial) and current[axis] != d:
+            local = partition_replicated(local, d, mesh.get_local_rank(axis), mesh.size(axis))
+            current[axis] = d
     return local
+
+
+def partition_replicated(
+    local: torch.Tensor, partial: Partial, axis_rank: int, axis_size: int
+) -> torch.Tensor:
+    """This rank's part of a replicated value laid out as ``partial`` (torch's partition).
+
+    Sum: the value over the axis size (exact for power-of-two sizes); integer sums keep
+    the value on the axis's first rank and zeros elsewhere. Avg, max, min: the value.
+
+    Example::
+
+        partition_replicated(torch.ones(2), Partial(), 0, 2)   # tensor([0.5, 0.5])
+    """
+    if partial.reduce_op != "sum":
+        return local.clone()
+    if local.is_floating_point() or local.is_complex():
+        return local / axis_size
+    return local.clone() if axis_rank == 0 else torch.zeros_like(local)

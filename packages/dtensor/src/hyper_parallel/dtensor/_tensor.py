@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._autograd import FromLocal, Redistribute, ToLocal, ensure_leaf_grad_hook
 from hyper_parallel.dtensor._dispatch import dispatch
-from hyper_parallel.dtensor._redistribute import check_redistribute_target
+from hyper_parallel.dtensor._rank_check import check_local_shards
+from hyper_parallel.dtensor._redistribute import PlacementError, check_redistribute_target
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -27,7 +27,7 @@ from hyper_parallel.dtensor._spec import (
     normalize_placements,
     replicate_all,
 )
-from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.dtensor.placement_types import Placement, Shard
 
 __all__ = ["DTensor"]
@@ -68,6 +68,13 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        # A lazily conjugated (or negated) local makes a lazily conjugated DTensor, as in
+        # torch: later ops then see the bit on the wrapper and resolve it, instead of
+        # reading the unconjugated memory of the local view.
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -135,8 +142,8 @@ class DTensor(torch.Tensor):
     @staticmethod
     def from_local(
         local_tensor: torch.Tensor,
-        device_mesh: DeviceMesh,
-        placements: Sequence[Placement],
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
         *,
         run_check: bool = False,
         shape: Sequence[int] | None = None,
@@ -145,9 +152,12 @@ class DTensor(torch.Tensor):
         """Wrap this rank's shard as a DTensor; differentiable.
 
         Without ``shape``, shards are assumed even (global size = local size x axis
-        size). Pass ``shape`` (and ``stride``) for uneven shards, or ``run_check=True``
-        to check the shards' shapes across ranks (and broadcast Replicate values
-        from the first rank of each axis).
+        size). Pass ``shape`` (and ``stride``) for uneven shards. ``run_check=True``
+        checks every rank's shard against the others (dtype, requires_grad, placements,
+        the dims no axis shards, ``torch.chunk`` shard sizes; the same error on every
+        rank), infers an uneven global shape, and broadcasts Replicate values from the
+        first rank of each axis. ``device_mesh`` defaults to the mesh of ``with mesh:``,
+        ``placements`` to Replicate.
 
         Example::
 
@@ -157,6 +167,10 @@ class DTensor(torch.Tensor):
             raise TypeError(
                 f"DTensor.from_local: expected a plain torch.Tensor, found {type(local_tensor).__name__}"
             )
+        if device_mesh is None:
+            device_mesh = current_mesh("DTensor.from_local")
+        if placements is None:
+            placements = replicate_all(device_mesh.ndim)
         placements_t = normalize_placements(
             placements, device_mesh.ndim, local_tensor.ndim, where="DTensor.from_local"
         )
@@ -166,42 +180,37 @@ class DTensor(torch.Tensor):
                 device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
             )
             return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
-        if shape is None:
-            if run_check:
-                global_shape = _global_shape_from_shards(local_tensor, device_mesh, placements_t)
-            else:
-                global_shape = _even_global_shape(
-                    tuple(local_tensor.shape), device_mesh, placements_t
-                )
-        else:
+        if stride is not None and shape is None:
+            raise PlacementError(
+                f"DTensor.from_local: stride {tuple(stride)} given without shape; pass both"
+            )
+        if shape is not None:
             global_shape = tuple(int(s) for s in shape)
             if len(global_shape) != local_tensor.ndim:
-                raise ValueError(
+                raise PlacementError(
                     f"DTensor.from_local: shape {global_shape} has {len(global_shape)} dim(s), "
                     f"the local tensor has {local_tensor.ndim}"
                 )
-        if stride is not None and len(stride) != len(global_shape):
-            raise ValueError(
-                f"DTensor.from_local: stride {tuple(stride)} has {len(stride)} entries, the "
-                f"global shape {global_shape} has {len(global_shape)} dim(s)"
+            if stride is not None and len(stride) != len(global_shape):
+                raise PlacementError(
+                    f"DTensor.from_local: stride {tuple(stride)} has {len(stride)} entries, the "
+                    f"global shape {global_shape} has {len(global_shape)} dim(s)"
+                )
+        if run_check and device_mesh.get_coordinate() is not None:
+            # every rank checks every rank's record: the same error everywhere, none hangs
+            global_shape = check_local_shards(
+                local_tensor, device_mesh, placements_t, None if shape is None else global_shape
             )
-        problem = _shard_shape_problem(
-            tuple(local_tensor.shape), global_shape, device_mesh, placements_t
-        )
-        # Under run_check every rank learns whether any rank failed, so none is left waiting.
-        if (
-            run_check
-            and device_mesh.get_coordinate() is not None
-            and collectives.any_rank(problem is not None, device_mesh, local_tensor.device)
-            and problem is None
-        ):
-            raise ValueError(
-                "DTensor.from_local(run_check=True): another rank's local tensor does not "
-                f"fit global shape {global_shape} with placements {placements_t} (see the "
-                "error on that rank)"
+        else:
+            if shape is None:
+                global_shape = _even_global_shape(
+                    tuple(local_tensor.shape), device_mesh, placements_t
+                )
+            problem = _shard_shape_problem(
+                tuple(local_tensor.shape), global_shape, device_mesh, placements_t
             )
-        if problem is not None:
-            raise ValueError(problem)
+            if problem is not None:
+                raise PlacementError(problem)
         meta = TensorMeta(
             global_shape,
             tuple(stride) if stride is not None else contiguous_strides(global_shape),
@@ -220,6 +229,8 @@ class DTensor(torch.Tensor):
 
             local = dt.to_local()
         """
+        if not torch.is_grad_enabled():
+            return self._local_tensor  # as torch: no autograd node, the shard itself
         if grad_placements is not None:
             grad_placements = normalize_placements(
                 grad_placements, self._spec.mesh.ndim, self.ndim, where="DTensor.to_local"
@@ -232,23 +243,31 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
         """The same global tensor with other placements; differentiable.
+
+        As in torch, ``forward_dtype`` casts the shard before the collective (the result
+        has that dtype); ``backward_dtype`` casts the gradient before the backward
+        collective, after which it returns to this DTensor's dtype.
 
         Example::
 
             full = dt.redistribute(placements=[Replicate()])
+            low = dt.redistribute(placements=[Replicate()], forward_dtype=torch.bfloat16)
         """
         mesh = self._spec.mesh
         if device_mesh is not None:
             check_same_mesh(device_mesh, mesh, where="DTensor.redistribute")
         if placements is None:
-            raise ValueError("DTensor.redistribute: placements are required")
+            raise PlacementError("DTensor.redistribute: placements are required")
         dst = normalize_placements(placements, mesh.ndim, self.ndim, where="DTensor.redistribute")
         check_redistribute_target(self._spec.placements, dst, where="DTensor.redistribute")
-        if dst == self._spec.placements:
+        cast = forward_dtype is not None and forward_dtype != self.dtype
+        if dst == self._spec.placements and not cast and backward_dtype is None:
             return self
-        return Redistribute.apply(self, dst)  # type: ignore[no-any-return]
+        return Redistribute.apply(self, dst, forward_dtype, backward_dtype)  # type: ignore[no-any-return]
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank, as a plain tensor; differentiable.
@@ -259,21 +278,6 @@ class DTensor(torch.Tensor):
         """
         replicated = self.redistribute(placements=replicate_all(self._spec.mesh.ndim))
         return replicated.to_local(grad_placements=grad_placements)
-
-
-def _global_shape_from_shards(
-    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
-) -> tuple[int, ...]:
-    """Global shape from every rank's shard sizes (gathered along each sharding axis)."""
-    sizes = list(local.shape)
-    for axis in reversed(range(mesh.ndim)):
-        p = placements[axis]
-        if not isinstance(p, Shard):
-            continue
-        mine = torch.tensor([sizes[p.dim]], dtype=torch.int64, device=local.device)
-        gathered = collectives.all_gather(mine, mesh, axis)
-        sizes[p.dim] = int(gathered.sum().item())
-    return tuple(sizes)
 
 
 def _even_global_shape(
@@ -319,6 +323,6 @@ def _even_spec(
     global_shape = _even_global_shape(local_shape, mesh, placements)
     problem = _shard_shape_problem(local_shape, global_shape, mesh, placements)
     if problem is not None:
-        raise ValueError(problem)
+        raise PlacementError(problem)
     meta = TensorMeta(global_shape, contiguous_strides(global_shape), dtype)
     return DTensorSpec(mesh, placements, meta)

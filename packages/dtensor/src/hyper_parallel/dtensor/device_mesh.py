@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,9 +15,29 @@ from hyper_parallel.platform import get_platform
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "current_mesh", "init_device_mesh"]
 
 Axis = int | str
+
+# The meshes entered with ``with mesh:``, innermost last (torch's mesh stack).
+_entered: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("hp_entered_meshes", default=())
+
+
+def current_mesh(where: str) -> DeviceMesh:
+    """The innermost mesh entered with ``with mesh:``; raises when none is.
+
+    Example::
+
+        with mesh:
+            assert current_mesh("example") is mesh
+    """
+    stack = _entered.get()
+    if not stack:
+        raise RuntimeError(
+            f"{where}: no device_mesh given and no mesh is active; pass device_mesh= or run "
+            "inside `with mesh:`"
+        )
+    return stack[-1]
 
 
 class DeviceMesh:
@@ -241,6 +263,27 @@ class DeviceMesh:
         groups = {position: self._groups[axis] for position, axis in enumerate(kept)}
         sub._setup(self.device_type, sub_ranks, wanted, self._rank, groups)
         return sub
+
+    # -- context manager -------------------------------------------------------------
+    def __enter__(self) -> DeviceMesh:
+        """Make this the mesh that DTensor APIs use when none is given, as in torch.
+
+        Example::
+
+            with mesh:
+                dt = DTensor.from_local(torch.ones(2), placements=[Replicate()])
+        """
+        _entered.set((*_entered.get(), self))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack = _entered.get()
+        _entered.set(stack[:-1])
 
     # -- value semantics -------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, object]) -> DeviceMesh:

@@ -179,6 +179,15 @@ def _dense_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _physical(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as contiguous memory holding its values.
+
+    A lazily conjugated or negated view (``x.conj()``) shares the memory of ``x``; a
+    backend sends memory, so the bit is resolved first (a no-op for other tensors).
+    """
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
 def _check_reduce_op(what: str, tensor: torch.Tensor, reduce_op: str) -> None:
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"{what}: reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
@@ -237,7 +246,7 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
         tensor([[0], [1]])  # on every rank of a 2-rank group
     """
     size, _ = _size_and_rank(group)
-    source = tensor.contiguous()
+    source = _physical(tensor)
     if size == 1:
         return _dense_copy(source).unsqueeze(0)
     out = source.new_empty((size, *source.shape))
@@ -300,7 +309,7 @@ def reduce_scatter(
     _check_leading("reduce_scatter", tensor, size)
     if size == 1:
         return _dense_copy(tensor[0])
-    source = tensor.contiguous()
+    source = _physical(tensor)
     op = _NATIVE_OPS["sum" if reduce_op == "avg" else reduce_op]
 
     def native() -> torch.Tensor:
@@ -333,7 +342,7 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     """
     size, rank = _size_and_rank(group)
     _check_leading("all_to_all", tensor, size)
-    source = tensor.contiguous()
+    source = _physical(tensor)
     if size == 1:
         return _dense_copy(source)
 
@@ -398,7 +407,7 @@ def scatter(
                     f"scatter: chunk {index} has shape {tuple(chunk.shape)} and dtype "
                     f"{chunk.dtype}; expected {tuple(like.shape)} and {like.dtype} (from like)"
                 )
-        sources = [chunk.contiguous() for chunk in chunks]
+        sources = [_physical(chunk) for chunk in chunks]
     if size == 1:
         assert sources is not None
         return _dense_copy(sources[0])

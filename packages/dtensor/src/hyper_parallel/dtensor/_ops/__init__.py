@@ -1,6 +1,8 @@
 """Sharding rules, one module per family of ops; importing this package registers them all."""
 
 from hyper_parallel.dtensor._ops import (
+    along_dim,
+    complex,
     foreach,
     losses,
     matrix,
@@ -13,6 +15,8 @@ from hyper_parallel.dtensor._ops import (
 )
 
 __all__ = [
+    "along_dim",
+    "complex",
     "foreach",
     "losses",
     "matrix",

@@ -9,7 +9,7 @@ from hyper_parallel.dtensor._registry import Decision, OpCall
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Candidate", "choose", "local_bytes", "redistribute_cost"]
+__all__ = ["Candidate", "choose", "local_bytes", "redistribute_cost", "written_outputs"]
 
 Candidate = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
 """``(input placements, output placements)`` of one layout on one mesh axis."""
@@ -44,6 +44,38 @@ def redistribute_cost(spec: DTensorSpec, axis: int, src: Placement, dst: Placeme
     return 1e-3 * nbytes  # a local slice: nearly free, but staying put is preferred
 
 
+def written_outputs(call: OpCall) -> list[tuple[int, int | None]]:
+    """``(spec index, output index)`` of each DTensor the op writes (self of ``add_``, ``out=``).
+
+    The output index is the result that aliases it (None when no result does).
+    """
+    schema = call.func._schema
+    written_names = [
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    ]
+    if not written_names:
+        return []
+    names = [a.name for a in schema.arguments]
+    index_of: dict[str, int] = {}
+    k = 0
+    for i, a in enumerate(call.args):
+        if isinstance(a, DTensorSpec):
+            if i < len(names):
+                index_of[names[i]] = k
+            k += 1
+        elif isinstance(a, (list, tuple)):
+            k += sum(1 for v in a if isinstance(v, DTensorSpec))
+    for name, v in call.kwargs.items():
+        if isinstance(v, DTensorSpec):
+            index_of[name] = k
+            k += 1
+    result: list[tuple[int, int | None]] = []
+    for j, name in enumerate(written_names):
+        if name in index_of:
+            result.append((index_of[name], j if j < len(call.out_metas) else None))
+    return result
+
+
 def choose(
     call: OpCall,
     candidates_for_axis: Callable[[int], Sequence[Candidate]],
@@ -57,12 +89,19 @@ def choose(
     mesh = call.mesh
     n_in = len(call.specs)
     n_out = len(call.out_metas) if n_outputs is None else n_outputs
+    written = written_outputs(call)
     inputs: list[list[Placement]] = [[] for _ in range(n_in)]
     outputs: list[list[Placement] | None] = [[] for _ in range(n_out)]
     for axis in range(mesh.ndim):
         best: Candidate | None = None
         best_cost = math.inf
         for cand in candidates_for_axis(axis):
+            if any(
+                cand[0][i] != call.specs[i].placements[axis]
+                or (j is not None and cand[1][j] != call.specs[i].placements[axis])
+                for i, j in written
+            ):
+                continue  # an in-place or out= op keeps the layout of the tensor it writes
             cost = 0.0
             for spec, target in zip(call.specs, cand[0], strict=True):
                 cost += redistribute_cost(spec, axis, spec.placements[axis], target)
@@ -71,6 +110,11 @@ def choose(
             if cost < best_cost:
                 best, best_cost = cand, cost
         if best is None:
+            if written:  # the dispatcher then takes the fallback, which keeps the layout
+                raise RuntimeError(
+                    f"{call.func}: no layout keeps the placements of the tensor it writes on "
+                    f"mesh axis {axis}"
+                )
             raise RuntimeError(f"{call.func}: no valid layout on mesh axis {axis}")
         for i, placement in enumerate(best[0]):
             inputs[i].append(placement)

@@ -10,6 +10,7 @@ local ``sum |x|^p`` and all-reduces the vector of those sums once per mesh axis.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
@@ -235,6 +236,44 @@ def _overloads(name: str) -> list[Any]:
 _OUT_OF_PLACE = [op for base in _ELEMENTWISE for op in _overloads(f"_foreach_{base}")]
 _IN_PLACE = [op for base in _ELEMENTWISE for op in _overloads(f"_foreach_{base}_")]
 
+def _per_mesh(handler: Any) -> Any:
+    """Run a foreach op once per mesh when its tensors live on several (one group per mesh).
+
+    An optimizer's parameter list may mix meshes (e.g. tp-sharded weights and
+    dp-replicated norms); torch runs each mesh's slice of the lists separately too.
+    """
+
+    def run(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        first = args[0]
+        meshes = [t._spec.mesh for t in first if isinstance(getattr(t, "_spec", None), DTensorSpec)]
+        if len(meshes) != len(first) or all(m == meshes[0] for m in meshes):
+            return handler(func, args, kwargs)
+        n = len(first)
+        groups: dict[Any, list[int]] = {}
+        for i, mesh in enumerate(meshes):
+            groups.setdefault(mesh, []).append(i)
+        results: list[Any] = [None] * n
+        returned = False
+        for indices in groups.values():
+
+            def pick(value: Any, indices: list[int] = indices) -> Any:
+                if isinstance(value, (list, tuple)) and len(value) == n:
+                    return [value[i] for i in indices]
+                return value
+
+            out = handler(func, tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()})
+            if out is not None:
+                returned = True
+                for i, o in zip(indices, out, strict=True):
+                    results[i] = o
+        return results if returned else None
+
+    return run
+
+
 register_rule(*_OUT_OF_PLACE, *_IN_PLACE)(_foreach_rule)
-register_special(*_IN_PLACE)(_foreach_in_place)
+register_special(*_IN_PLACE)(_per_mesh(_foreach_in_place))
+register_special(*_OUT_OF_PLACE, aten._foreach_norm.Scalar)(
+    _per_mesh(functools.partial(dispatch_by_rules, DTensor))
+)
 register_rule(aten._foreach_norm.Scalar)(_norm_rule)

@@ -179,5 +179,60 @@ def _nll_backward(start: int, length: int) -> Any:
     return backward
 
 
+def _nll2d_forward_rule(call: OpCall) -> Decision:
+    """nll_loss2d (input ``(N, C, H, W)``, target ``(N, H, W)``): the batch shards, as in torch.
+
+    Each rank sums its rows; a mean divides by the global total weight (one all-reduce
+    of a scalar). A shard of any other dim is gathered.
+    """
+    reduction = _arg(call, 3, "reduction", _MEAN)
+    n_extra = len(call.specs) - 2
+
+    def candidates(axis: int) -> list[Candidate]:
+        loss: Placement = Shard(0) if reduction == _NONE else _P
+        total: Placement = _R if reduction == _NONE else _P
+        return [
+            ((Shard(0), Shard(0)) + (_R,) * n_extra, (loss, total)),
+            ((_R,) * len(call.specs), (_R, _R)),
+        ]
+
+    decision = choose(call, candidates)
+    batch_axes = [a for a, p in enumerate(decision.inputs[0]) if p == Shard(0)]
+    if batch_axes and reduction == _MEAN:
+        decision.local_fn = _nll2d_mean(call.mesh, tuple(batch_axes))
+    return decision
+
+
+def _nll2d_mean(mesh: DeviceMesh, axes: tuple[int, ...]) -> Any:
+    def nll2d(
+        x: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor | None,
+        reduction: int,
+        ignore_index: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, total = aten.nll_loss2d_forward.default(x, target, weight, _SUM, ignore_index)
+        return loss / all_reduce_over(total, mesh, axes, "sum"), total
+
+    return nll2d
+
+
+def _nll2d_backward_rule(call: OpCall) -> Decision:
+    # specs: grad_output, self, target, [weight], total_weight (the global total: Replicate)
+    reduction = _arg(call, 4, "reduction", _MEAN)
+    n_extra = len(call.specs) - 3
+
+    def candidates(axis: int) -> list[Candidate]:
+        grad_layout: Placement = Shard(0) if reduction == _NONE else _R
+        return [
+            ((grad_layout, Shard(0), Shard(0)) + (_R,) * n_extra, (Shard(0),)),
+            ((_R,) * len(call.specs), (_R,)),
+        ]
+
+    return choose(call, candidates)
+
+
 register_rule(aten.nll_loss_forward.default)(_nll_forward_rule)
+register_rule(aten.nll_loss2d_forward.default)(_nll2d_forward_rule)
+register_rule(aten.nll_loss2d_backward.default)(_nll2d_backward_rule)
 register_rule(aten.nll_loss_backward.default)(_nll_backward_rule)

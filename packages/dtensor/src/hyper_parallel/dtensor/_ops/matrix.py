@@ -34,7 +34,23 @@ def _product_candidates(batch: bool) -> list[tuple[Placement, Placement, Placeme
 def _mm_rule(call: OpCall) -> Decision:
     batch = call.func.overloadpacket is aten.bmm
     cands = [((a, b), (o,)) for a, b, o in _product_candidates(batch)]
-    return choose(call, lambda axis: cands)
+
+    def candidates(axis: int) -> list[Candidate]:
+        return cands + _average_candidates(call, axis)
+
+    return choose(call, candidates)
+
+
+def _average_candidates(call: OpCall, axis: int) -> list[Candidate]:
+    """A Partial("avg") factor times a replicated one stays Partial("avg"), as in torch."""
+    out: list[Candidate] = []
+    for i, spec in enumerate(call.specs[:2]):
+        p = spec.placements[axis]
+        if isinstance(p, Partial) and p.reduce_op == "avg":
+            ins: list[Placement] = [_R, _R]
+            ins[i] = p
+            out.append((tuple(ins), (p,)))
+    return out
 
 
 def _mv_rule(call: OpCall) -> Decision:

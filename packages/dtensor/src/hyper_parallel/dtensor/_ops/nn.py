@@ -149,13 +149,18 @@ def _attention_rule(call: OpCall) -> Decision:
 
 
 def _like_rule(call: OpCall) -> Decision:
-    """empty_like / zeros_like / ones_like / full_like / rand-free *_like: the input's layout."""
+    """empty_like / zeros_like / ones_like / full_like / rand-free *_like: the input's layout.
+
+    The input's values are never read, so it does not move: a Partial input (the seed
+    gradient of ``loss.backward()`` on a Partial loss) gives a Replicate output of ones
+    without any collective, as in torch.
+    """
     spec = call.specs[0]
     keeps_partial = call.func.overloadpacket in (aten.empty_like, aten.zeros_like)
     placements = tuple(
         p if not isinstance(p, Partial) or keeps_partial else _R for p in spec.placements
     )
-    return Decision([placements], [placements])
+    return Decision([spec.placements], [placements])
 
 
 def _new_factory_rule(call: OpCall) -> Decision:

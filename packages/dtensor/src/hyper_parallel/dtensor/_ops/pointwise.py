@@ -31,6 +31,10 @@ _LINEAR_SUM = {aten.add, aten.add_, aten.sub, aten.sub_}
 # Products with exactly one Partial factor (the first, for division) stay Partial.
 _LINEAR_PRODUCT = {aten.mul, aten.mul_, aten.div, aten.div_}
 _SCALAR_SCALE = {aten.mul, aten.mul_, aten.div, aten.div_}
+# Element-wise maximum/minimum: Partial("max")/Partial("min") inputs stay Partial.
+_EXTREMES = {"max": (aten.maximum, aten.fmax), "min": (aten.minimum, aten.fmin)}
+# Ops that overwrite their target without reading it.
+_OVERWRITES = {aten.fill_, aten.zero_}
 
 
 def aligned_dim(spec: DTensorSpec, out_shape: tuple[int, ...], out_dim: int) -> int | None:
@@ -65,7 +69,21 @@ def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
     partials = {p for p in current if isinstance(p, Partial) and p.reduce_op in ("sum", "avg")}
     out_dtype = out_meta.dtype
     if not (out_dtype.is_floating_point or out_dtype.is_complex):
-        partials = set()  # a cast to an integer type (or a comparison) does not commute with sums
+        # Integer sums stay Partial (as in torch); a cast to an integer type or a
+        # comparison does not commute with sums.
+        same_integers = out_dtype != torch.bool and all(
+            s.tensor_meta.dtype == out_dtype for s in specs
+        )
+        if not same_integers:
+            partials = set()
+    for p in {p for p in current if isinstance(p, Partial) and p.reduce_op in ("max", "min")}:
+        # max(max_i a_i, b) = max_i max(a_i, b), and likewise for min: torch keeps them
+        if packet in _EXTREMES.get(p.reduce_op, ()):
+            cands.append(((p,) * len(specs), (p,) * n_out))
+            for i in range(len(specs)):
+                ins3: list[Placement] = [Replicate()] * len(specs)
+                ins3[i] = p
+                cands.append((tuple(ins3), (p,) * n_out))
     for p in partials:
         if packet in _LINEAR_UNARY and len(specs) == 1:
             cands.append(((p,), (p,) * n_out))
@@ -80,10 +98,11 @@ def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
                     ins2: list[Placement] = [Replicate()] * len(specs)
                     ins2[i] = p
                     cands.append((tuple(ins2), (p,) * n_out))
+    if packet in _OVERWRITES and specs and isinstance(current[0], Partial):
+        # fill_/zero_ write every local element: a Partial target stays Partial, as in
+        # torch (fill_(v) of a Partial(sum) over n ranks then holds n * v).
+        cands.append(((current[0],) + (Replicate(),) * (len(specs) - 1), (current[0],) * n_out))
     cands.append(((Replicate(),) * len(specs), (Replicate(),) * n_out))
-    if call.func._schema.name.endswith("_") and specs:
-        # in place: the output is the first input, so its layout must match the output's
-        cands = [c for c in cands if c[0][0] == c[1][0]]
     return cands
 
 

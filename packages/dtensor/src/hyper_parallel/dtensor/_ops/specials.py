@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._dispatch import dispatch_by_rules
-from hyper_parallel.dtensor._redistribute import redistribute_local
+from hyper_parallel.dtensor._redistribute import PlacementError, redistribute_local
 from hyper_parallel.dtensor._registry import register_special
-from hyper_parallel.dtensor._spec import local_shard, replicate_all
+from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, partial_to_replicate, replicate_all
+from hyper_parallel.dtensor.collectives import all_reduce_over
 from hyper_parallel.dtensor._tensor import DTensor
 
 aten = torch.ops.aten
@@ -31,28 +32,31 @@ def _sdp_choice(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
 @register_special(aten.copy_.default)
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """copy_ from a plain tensor of the global shape takes this rank's slice (load_state_dict)."""
+    """``dst.copy_(src)`` keeps ``dst``'s layout, as in torch: ``src`` is redistributed to it.
+
+    A plain ``src`` of the global shape is taken as the full value (``load_state_dict``
+    of plain tensors): each rank copies its part.
+    """
     dst, src = args[0], args[1]
-    plain_full = (
-        isinstance(dst, DTensor)
-        and isinstance(src, torch.Tensor)
-        and not isinstance(src, DTensor)
-        and src.ndim > 0
-        and tuple(src.shape) == dst._spec.shape
-    )
-    if not plain_full:
+    if not isinstance(dst, DTensor):
         return dispatch_by_rules(DTensor, func, args, kwargs)
     spec = dst._spec
-    mesh = spec.mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is not None:
-        if spec.has_partial():
-            raise ValueError(
-                "copy_: cannot copy a plain tensor into a DTensor with Partial placements "
-                f"{spec.placements}; redistribute it to Replicate/Shard first"
+    if isinstance(src, DTensor):
+        if src._spec.mesh != spec.mesh:
+            raise PlacementError(
+                f"copy_: the source lives on {src._spec.mesh}, the target on {spec.mesh}; "
+                "copying between meshes is not supported"
             )
-        piece = local_shard(src, mesh.shape, coordinate, spec.placements)
-        dst._local_tensor.copy_(piece, *args[2:], **kwargs)
+        if src._spec.shape != spec.shape:
+            return dispatch_by_rules(DTensor, func, args, kwargs)  # broadcasting: the rule
+        value = redistribute_local(src._local_tensor, src._spec, spec.placements)
+    elif isinstance(src, torch.Tensor) and src.ndim > 0 and tuple(src.shape) == spec.shape:
+        replicated = spec.with_placements(replicate_all(spec.mesh.ndim))
+        value = redistribute_local(src, replicated, spec.placements)
+    else:
+        return dispatch_by_rules(DTensor, func, args, kwargs)
+    if spec.mesh.get_coordinate() is not None:
+        dst._local_tensor.copy_(value, *args[2:], **kwargs)
     return dst
 
 
@@ -61,3 +65,47 @@ def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``.item()``: the value of the whole (one-element) tensor, the same on every rank."""
     x: DTensor = args[0]
     return func(redistribute_local(x._local_tensor, x._spec, replicate_all(x._spec.mesh.ndim)))
+
+
+@register_special(aten.is_same_size.default)
+def _is_same_size(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Global shapes compared: no communication."""
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+@register_special(aten.equal.default)
+def _equal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.equal``: shards compared in one layout, the verdicts combined over the mesh."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a._spec.mesh != b._spec.mesh:
+        return dispatch_by_rules(DTensor, func, args, kwargs)  # the mixed-tensor/mesh error
+    if a._spec.shape != b._spec.shape:
+        return False
+    mesh = a._spec.mesh
+    if mesh.get_coordinate() is None:
+        return True  # as torch: ranks outside the mesh hold nothing to compare
+    target = partial_to_replicate(a._spec.placements)
+    la = redistribute_local(a._local_tensor, a._spec, target)
+    lb = redistribute_local(b._local_tensor, b._spec, target)
+    mine = torch.tensor([1 if func(la, lb) else 0], dtype=torch.int64, device=la.device)
+    axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
+    return bool(all_reduce_over(mine, mesh, axes, "min").item())
+
+
+@register_special(aten.as_strided.default)
+def _as_strided(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``as_strided`` as a view: of a replicated DTensor any view, of a sharded one the identity.
+
+    Other views of a sharded tensor would cross shard boundaries: the fallback.
+    """
+    x = args[0]
+    size, stride = tuple(args[1]), tuple(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    spec: DTensorSpec = x._spec
+    local = x._local_tensor
+    if size == spec.shape and stride == spec.tensor_meta.stride and not offset:
+        return DTensor(local.as_strided(local.size(), local.stride(), local.storage_offset()), spec)
+    if spec.is_replicated():
+        meta = TensorMeta(size, stride, spec.tensor_meta.dtype)
+        return DTensor(func(local, *args[1:], **kwargs), DTensorSpec(spec.mesh, spec.placements, meta))
+    return dispatch_by_rules(DTensor, func, args, kwargs)

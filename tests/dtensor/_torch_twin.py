@@ -1,0 +1,219 @@
+"""Run one scenario on hp-dtensor and on ``torch.distributed.tensor`` side by side.
+
+A :class:`Side` bundles one implementation's mesh, placement classes, DTensor
+constructors and comm-counting mode under the same names, so a test body written
+once against ``side`` runs on both; :func:`layout` and the normalised comm counts
+make the two sides' placements and collectives comparable as plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import hyper_parallel.dtensor as hp
+
+__all__ = ["Case", "Side", "full", "hp_side", "layout", "run_case", "sides", "torch_side"]
+
+# torch's CommDebugMode keys its counts by functional-collective op; ours by kind.
+_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter")
+
+
+def _kind(op: Any) -> str:
+    name = str(op)
+    for kind in _KINDS:
+        if kind in name:
+            return kind
+    return name
+
+
+@dataclass(frozen=True)
+class Side:
+    """One DTensor implementation: ``name`` is ``"hp"`` or ``"torch"``."""
+
+    name: str
+    mesh: Any
+    module: Any  # hyper_parallel.dtensor or torch.distributed.tensor
+
+    @property
+    def Shard(self) -> Any:  # noqa: N802  (the class, as both APIs name it)
+        return self.module.Shard
+
+    @property
+    def Replicate(self) -> Any:  # noqa: N802
+        return self.module.Replicate
+
+    @property
+    def Partial(self) -> Any:  # noqa: N802
+        return self.module.Partial
+
+    @property
+    def DTensor(self) -> Any:  # noqa: N802
+        return self.module.DTensor
+
+    def distribute(self, t: torch.Tensor, placements: list[Any], **kwargs: Any) -> Any:
+        """``distribute_tensor(t, self.mesh, placements, **kwargs)``."""
+        return self.module.distribute_tensor(t, self.mesh, placements, **kwargs)
+
+    def from_local(self, t: torch.Tensor, placements: list[Any], **kwargs: Any) -> Any:
+        """``DTensor.from_local(t, self.mesh, placements, **kwargs)``."""
+        return self.module.DTensor.from_local(t, self.mesh, placements, **kwargs)
+
+    @contextmanager
+    def comm(self) -> Iterator[dict[str, int]]:
+        """Count the collectives of the block; the dict is filled on exit (kind -> count)."""
+        counts: dict[str, int] = {}
+        if self.name == "hp":
+            mode: Any = hp.CommDebugMode()
+        else:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            mode = CommDebugMode()
+        with mode:
+            yield counts
+        raw = mode.counts() if self.name == "hp" else mode.get_comm_counts()
+        for op, n in raw.items():
+            if n:
+                counts[_kind(op)] = counts.get(_kind(op), 0) + n
+
+
+def hp_side(mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Side:
+    """hp-dtensor over ``mesh_shape`` (collective)."""
+    return Side("hp", hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), hp)
+
+
+def torch_side(mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Side:
+    """torch.distributed.tensor over ``mesh_shape`` (collective)."""
+    import torch.distributed.tensor as tdt
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return Side("torch", init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), tdt)
+
+
+def sides(mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> list[Side]:
+    """Both implementations over the same ranks (collective)."""
+    return [hp_side(mesh_shape, names), torch_side(mesh_shape, names)]
+
+
+def layout(value: Any) -> Any:
+    """Placements as comparable plain values: ``("S", 0)``, ``("R",)``, ``("P", "sum")``.
+
+    A DTensor gives its placements' tuple; a list/tuple of DTensors gives a list; a
+    plain tensor gives ``"plain"``.
+    """
+    if isinstance(value, (list, tuple)):
+        return [layout(v) for v in value]
+    placements = getattr(value, "placements", None)
+    if placements is None:
+        return "plain"
+    out: list[tuple[Any, ...]] = []
+    for p in placements:
+        if p.is_shard():
+            out.append(("S", p.dim))
+        elif p.is_partial():
+            out.append(("P", str(p.reduce_op)))
+        else:
+            out.append(("R",))
+    return tuple(out)
+
+
+def full(value: Any) -> torch.Tensor:
+    """The global value of a DTensor of either side (a plain tensor is returned as is)."""
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor()  # type: ignore[no-any-return]
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+@dataclass(frozen=True)
+class Case:
+    """``fn`` applied to ``inputs`` laid out as ``kinds`` (``"S0"``, ``"R"``, ``"P"``, ``"Pavg"``, ``"Pmax"``, ``None``: plain).
+
+    A Partial input holds its value split over the ranks (sum: unequal parts; avg:
+    the value on each rank; max: the value on one rank, less elsewhere). ``backward``
+    also checks the gradients of the floating inputs.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    inputs: tuple[torch.Tensor, ...]
+    kinds: tuple[str | None, ...]
+    backward: bool = False
+
+
+def _laid_out(side: Side, value: torch.Tensor, kind: str | None) -> Any:
+    if kind is None:
+        return value.clone()
+    n = side.mesh.size()
+    rank = side.mesh.get_local_rank()
+    if kind == "P":
+        part = value * (rank + 1) * 2 / (n * (n + 1)) if value.is_floating_point() else (
+            value if rank == 0 else torch.zeros_like(value)
+        )
+        return side.from_local(part, [side.Partial()])
+    if kind == "Pavg":
+        return side.from_local(value.clone(), [side.Partial("avg")])
+    if kind == "Pmax":
+        return side.from_local(value - rank, [side.Partial("max")])
+    if kind == "R":
+        return side.distribute(value.clone(), [side.Replicate()])
+    return side.distribute(value.clone(), [side.Shard(int(kind[1:]))])
+
+
+def run_case(side: Side, case: Case) -> dict[str, Any]:
+    """Run ``case`` on ``side``: layouts, collectives, values and fallbacks, or the error."""
+    inputs = [_laid_out(side, v, k) for v, k in zip(case.inputs, case.kinds, strict=True)]
+    leaves = [
+        t.detach().requires_grad_() if case.backward and t.is_floating_point() else t
+        for t in inputs
+    ]
+    full_leaves = [
+        v.clone().requires_grad_() if case.backward and v.is_floating_point() else v.clone()
+        for v in case.inputs
+    ]
+    hp.reset_fallback_counts()
+    try:
+        with side.comm() as forward:
+            got = case.fn(*leaves)
+        with side.comm() as backward:
+            if case.backward:
+                first = got[0] if isinstance(got, (list, tuple)) else got
+                first.float().pow(2).sum().backward()
+    except (RuntimeError, NotImplementedError) as exc:
+        return {"raised": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    want = case.fn(*full_leaves)
+    if case.backward:
+        first_want = want[0] if isinstance(want, (list, tuple)) else want
+        first_want.float().pow(2).sum().backward()
+    flat_got = list(got) if isinstance(got, (list, tuple)) else [got]
+    flat_want = list(want) if isinstance(want, (list, tuple)) else [want]
+    close = []
+    for g, w in zip(flat_got, flat_want, strict=True):
+        if isinstance(w, torch.Tensor):
+            close.append(_close(full(g).detach(), w.detach()))
+        else:
+            close.append(g == w)
+    if case.backward:
+        for leaf, full_leaf in zip(leaves, full_leaves, strict=True):
+            if full_leaf.grad is not None:
+                close.append(leaf.grad is not None and _close(full(leaf.grad), full_leaf.grad))
+    return {
+        "layout": layout(got),
+        "forward": forward,
+        "backward": backward,
+        "close": all(close),
+        "fallbacks": hp.fallback_counts() if side.name == "hp" else {},
+    }
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if not (want.is_floating_point() or want.is_complex()):
+        return torch.equal(got, want)
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(scale, 1e-30))
