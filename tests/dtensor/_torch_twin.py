@@ -40,19 +40,19 @@ class Side:
     module: Any  # hyper_parallel.dtensor or torch.distributed.tensor
 
     @property
-    def Shard(self) -> Any:  # noqa: N802  (the class, as both APIs name it)
+    def Shard(self) -> Any:
         return self.module.Shard
 
     @property
-    def Replicate(self) -> Any:  # noqa: N802
+    def Replicate(self) -> Any:
         return self.module.Replicate
 
     @property
-    def Partial(self) -> Any:  # noqa: N802
+    def Partial(self) -> Any:
         return self.module.Partial
 
     @property
-    def DTensor(self) -> Any:  # noqa: N802
+    def DTensor(self) -> Any:
         return self.module.DTensor
 
     def distribute(self, t: torch.Tensor, placements: list[Any], **kwargs: Any) -> Any:
@@ -72,7 +72,7 @@ class Side:
         else:
             from torch.distributed.tensor.debug import CommDebugMode
 
-            mode = CommDebugMode()
+            mode = CommDebugMode()  # type: ignore[no-untyped-call]
         with mode:
             yield counts
         raw = mode.counts() if self.name == "hp" else mode.get_comm_counts()
@@ -151,8 +151,10 @@ def _laid_out(side: Side, value: torch.Tensor, kind: str | None) -> Any:
     n = side.mesh.size()
     rank = side.mesh.get_local_rank()
     if kind == "P":
-        part = value * (rank + 1) * 2 / (n * (n + 1)) if value.is_floating_point() else (
-            value if rank == 0 else torch.zeros_like(value)
+        part = (
+            value * (rank + 1) * 2 / (n * (n + 1))
+            if value.is_floating_point()
+            else (value if rank == 0 else torch.zeros_like(value))
         )
         return side.from_local(part, [side.Partial()])
     if kind == "Pavg":

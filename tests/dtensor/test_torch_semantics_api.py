@@ -37,7 +37,7 @@ def _foreach_two_meshes(side: Side) -> dict[str, Any]:
         "a": full(a),
         "b": full(b),
         "layouts": layout([a, b, *summed, *norms]),
-        "meshes": [t.device_mesh.mesh.tolist() for t in (*summed, *norms)],
+        "meshes": [t.device_mesh.mesh.tolist() for t in (*summed, *norms)],  # type: ignore[attr-defined]
         "summed": [full(t) for t in summed],
         "norms": [full(t) for t in norms],
         "comm": counts,
@@ -50,7 +50,10 @@ def _redistribute_dtypes(side: Side) -> dict[str, Any]:
     x = side.distribute(x_full, [side.Shard(0)]).requires_grad_()
     with side.comm() as forward:
         y = x.redistribute(
-            side.mesh, [side.Replicate()], forward_dtype=torch.bfloat16, backward_dtype=torch.float64
+            side.mesh,
+            [side.Replicate()],
+            forward_dtype=torch.bfloat16,
+            backward_dtype=torch.float64,
         )
     with side.comm() as backward:
         (y.float() * 3).sum().backward()
@@ -74,7 +77,9 @@ def _context_and_factories(side: Side) -> dict[str, Any]:
     with mesh:
         local = torch.full((2, 3), float(rank))
         out["from_local"] = layout(side.DTensor.from_local(local, placements=[side.Shard(0)]))
-        dt = side.module.distribute_tensor(torch.arange(12.0).reshape(4, 3), placements=[side.Shard(1)])
+        dt = side.module.distribute_tensor(
+            torch.arange(12.0).reshape(4, 3), placements=[side.Shard(1)]
+        )
         out["distribute"] = (layout(dt), dt.to_local())
         ones = side.module.ones(5, 3, placements=[side.Shard(0)])
     out["ones"] = (layout(ones), ones.to_local(), tuple(ones.shape))
@@ -89,7 +94,13 @@ def _context_and_factories(side: Side) -> dict[str, Any]:
             dt = make(device_mesh=mesh, placements=placements, requires_grad=True)
             key = f"{name} {layout(dt)}"
             value = dt.to_local() if name != "empty" else None
-            out[key] = (tuple(dt.shape), tuple(dt.to_local().shape), dt.dtype, dt.requires_grad, value)
+            out[key] = (
+                tuple(dt.shape),
+                tuple(dt.to_local().shape),
+                dt.dtype,
+                dt.requires_grad,
+                value,
+            )
     # from_local(shape=, stride=): the given global stride is the DTensor's
     n = mesh.size()
     column_major = side.from_local(
@@ -144,11 +155,17 @@ def _errors(side: Side) -> dict[str, tuple[str, bool, bool] | None]:
             probe()
             out[name] = None
         except Exception as exc:
-            out[name] = (type(exc).__name__, isinstance(exc, RuntimeError), isinstance(exc, ValueError))
+            out[name] = (
+                type(exc).__name__,
+                isinstance(exc, RuntimeError),
+                isinstance(exc, ValueError),
+            )
     return out
 
 
-def _on_both(scenario: Callable[[Side], dict[str, Any]], mesh_shape: tuple[int, ...], names: Any) -> Any:
+def _on_both(
+    scenario: Callable[[Side], dict[str, Any]], mesh_shape: tuple[int, ...], names: Any
+) -> Any:
     ours, theirs = sides(mesh_shape, names)
     return scenario(ours), scenario(theirs)
 
@@ -163,8 +180,15 @@ def _assert_value(key: str, mine: Any, theirs: Any) -> None:
     if isinstance(mine, torch.Tensor):
         assert isinstance(theirs, torch.Tensor)
         assert mine.dtype == theirs.dtype, (key, mine.dtype, theirs.dtype)
-        assert_close_to_scale(mine.double(), theirs.double(), rel=1e-2 if mine.dtype == torch.bfloat16 else 1e-5, what=key)
-    elif isinstance(mine, (list, tuple)) and mine and any(isinstance(m, torch.Tensor) for m in mine):
+        assert_close_to_scale(
+            mine.double(),
+            theirs.double(),
+            rel=1e-2 if mine.dtype == torch.bfloat16 else 1e-5,
+            what=key,
+        )
+    elif (
+        isinstance(mine, (list, tuple)) and mine and any(isinstance(m, torch.Tensor) for m in mine)
+    ):
         for m, t in zip(mine, theirs, strict=True):
             _assert_value(key, m, t)
     else:
@@ -183,14 +207,18 @@ def test_foreach_ops_over_dtensors_on_different_meshes_like_torch() -> None:
 
 @world_sizes(2, 4)
 def test_redistribute_forward_and_backward_dtype_like_torch(world_size: int) -> None:
-    for ours, theirs in run_on_ranks(_on_both, world_size, _redistribute_dtypes, (world_size,), None):
+    for ours, theirs in run_on_ranks(
+        _on_both, world_size, _redistribute_dtypes, (world_size,), None
+    ):
         _assert_same(ours, theirs)
         assert ours["y dtype"] == torch.bfloat16 and ours["grad dtype"] == torch.float32
 
 
 @world_sizes(2, 4)
 def test_device_mesh_context_factories_strides_and_to_local_like_torch(world_size: int) -> None:
-    for ours, theirs in run_on_ranks(_on_both, world_size, _context_and_factories, (world_size,), None):
+    for ours, theirs in run_on_ranks(
+        _on_both, world_size, _context_and_factories, (world_size,), None
+    ):
         _assert_same(ours, theirs)
         assert ours["no_grad to_local is the shard"] and ours["stride"][1] == (1, 2 * world_size)
 

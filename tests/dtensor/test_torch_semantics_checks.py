@@ -20,6 +20,7 @@ collective counts, whether it raises) and the full tensors in one process.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from tests._harness import run_on_ranks, world_sizes
 from tests.dtensor._torch_twin import hp_side, layout, sides, torch_side
 
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
 
 def _error(fn: Callable[[], object]) -> tuple[str, str] | None:
@@ -69,9 +70,9 @@ def _run_check_probes(world_size: int) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for name, probe in probes.items():
-        out[name] = {"ours": _error(lambda: probe(ours)), "torch": _error(lambda: probe(theirs))}
+        out[name] = {"ours": _error(partial(probe, ours)), "torch": _error(partial(probe, theirs))}
     for name, probe in ours_only.items():
-        out[name] = {"ours": _error(lambda: probe(ours)), "torch": None}
+        out[name] = {"ours": _error(partial(probe, ours)), "torch": None}
     # uneven shards in torch.chunk layout are fine: the global shape is their sum
     sizes = [len(c) for c in torch.arange(2 * world_size + 1).chunk(world_size)]
     sizes += [0] * (world_size - len(sizes))
@@ -191,7 +192,7 @@ def _outside_the_mesh() -> dict[str, Any]:
             "op local": tuple(y.to_local().shape),
             "op shape": tuple(y.shape),
             "op layout": layout(y),
-            "split locals": [tuple(p.to_local().shape) for p in pieces],
+            "split locals": [tuple(p.to_local().shape) for p in pieces],  # type: ignore[attr-defined]
         }
         if rank < 2:
             out[name]["value"] = torch.equal(y.full_tensor(), (full @ full.t()).relu().sum(0))

@@ -84,7 +84,7 @@ def _rope_freqs_cis(side: Side, world_size: int) -> dict[str, Any]:
     leaf_full = xq_full.clone().requires_grad_()
     freqs_leaf_full = freqs_full.clone().requires_grad_()
     want = rope(leaf_full, freqs_leaf_full)
-    (want * weight).sum().backward()
+    (want * weight).sum().backward()  # type: ignore[no-untyped-call]
 
     xq = side.distribute(xq_full, [side.Shard(2)]).requires_grad_()
     freqs = side.distribute(freqs_full, [side.Replicate()]).requires_grad_()

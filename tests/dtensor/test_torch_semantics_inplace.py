@@ -20,6 +20,7 @@ from tests._harness import run_on_ranks, world_sizes
 from tests.dtensor._torch_twin import Side, full, layout, sides
 
 from hyper_parallel.dtensor import (
+    DTensor,
     Replicate,
     Shard,
     distribute_tensor,
@@ -156,19 +157,25 @@ def _load_state_dict_keeps_placements(world_size: int) -> list[str]:
     problems = []
     for model_dim, state_dim in ((1, 0), (0, 1), (0, 0)):
         model = _Linear()
-        model.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(model_dim)]))
+        model.weight = torch.nn.Parameter(
+            distribute_tensor(torch.zeros(6, 4), mesh, [Shard(model_dim)])
+        )
         before = model.weight
         state = {"weight": distribute_tensor(weight, mesh, [Shard(state_dim)])}
         model.load_state_dict(state)
-        if model.weight.placements != (Shard(model_dim),) or model.weight is not before:
-            problems.append(f"rowwise<-colwise {model_dim}<-{state_dim}: {model.weight.placements}")
-        if not torch.equal(model.weight.full_tensor(), weight):
+        loaded = model.weight
+        assert isinstance(loaded, DTensor)
+        if loaded.placements != (Shard(model_dim),) or loaded is not before:
+            problems.append(f"rowwise<-colwise {model_dim}<-{state_dim}: {loaded.placements}")
+        if not torch.equal(loaded.full_tensor(), weight):
             problems.append(f"{model_dim}<-{state_dim}: wrong values")
     model = _Linear()
     model.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Replicate()]))
     model.load_state_dict({"weight": weight})  # plain full tensors: each rank copies its part
-    if model.weight.placements != (Replicate(),) or not torch.equal(model.weight.full_tensor(), weight):
-        problems.append(f"plain -> Replicate: {model.weight.placements}")
+    loaded = model.weight
+    assert isinstance(loaded, DTensor)
+    if loaded.placements != (Replicate(),) or not torch.equal(loaded.full_tensor(), weight):
+        problems.append(f"plain -> Replicate: {loaded.placements}")
     return problems
 
 

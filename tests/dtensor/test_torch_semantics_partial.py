@@ -40,12 +40,19 @@ CASES = [
     Case(
         "shard -> Partial(sum)",
         # the value does not change: the one-process oracle is the identity
-        lambda s: s.redistribute(s.device_mesh, [_partial_of(s)]) if hasattr(s, "placements") else s,
+        lambda s: (
+            s.redistribute(s.device_mesh, [_partial_of(s)]) if hasattr(s, "placements") else s
+        ),
         (_X,),
         ("S0",),
     ),
     Case("softmax of a shard of the softmax dim", lambda s: torch.softmax(s, -1), (_X,), ("S1",)),
-    Case("log_softmax of a shard of the softmax dim", lambda s: torch.log_softmax(s, -1), (_X,), ("S1",)),
+    Case(
+        "log_softmax of a shard of the softmax dim",
+        lambda s: torch.log_softmax(s, -1),
+        (_X,),
+        ("S1",),
+    ),
     Case("softmax of a shard of another dim", lambda s: torch.softmax(s, -1), (_X,), ("S0",)),
     Case("cross_entropy of batch shards", F.cross_entropy, (_X, _T), ("S0", "S0")),
     Case("cross_entropy replicated", F.cross_entropy, (_X, _T), ("R", "R")),
@@ -125,7 +132,9 @@ def _seed_gradients(side: Side) -> dict[str, Any]:
 
 
 @world_sizes(2, 4)
-def test_backward_of_a_partial_or_replicate_scalar_loss_issues_no_collective(world_size: int) -> None:
+def test_backward_of_a_partial_or_replicate_scalar_loss_issues_no_collective(
+    world_size: int,
+) -> None:
     for ours, theirs in run_on_ranks(_seed_both, world_size, world_size):
         for kind in ("S0", "R"):
             assert ours[kind]["loss"] == theirs[kind]["loss"]
@@ -164,7 +173,9 @@ def _sources_both(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @world_sizes(2, 4)
-def test_distribute_tensor_into_partial_and_redistribute_to_partial_like_torch(world_size: int) -> None:
+def test_distribute_tensor_into_partial_and_redistribute_to_partial_like_torch(
+    world_size: int,
+) -> None:
     for ours, theirs in run_on_ranks(_sources_both, world_size, world_size):
         for key, value in ours.items():
             want = theirs[key]

@@ -184,7 +184,8 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
 def _composite(func: torch._ops.OpOverload) -> bool:
     """True for ops torch defines by a decomposition (linear, matmul, reshape, ...)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+        func.name(),  # type: ignore[no-untyped-call]
+        torch._C.DispatchKey.CompositeImplicitAutograd,
     )
 
 

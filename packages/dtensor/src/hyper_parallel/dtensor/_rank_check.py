@@ -47,7 +47,9 @@ class RankRecord:
 
 def _encode(record: RankRecord, mesh_ndim: int) -> torch.Tensor:
     if len(record.shape) > _MAX_DIMS:
-        raise PlacementError(f"tensors of more than {_MAX_DIMS} dims cannot be checked across ranks")
+        raise PlacementError(
+            f"tensors of more than {_MAX_DIMS} dims cannot be checked across ranks"
+        )
     values = [_DTYPES.index(record.dtype), int(record.requires_grad), len(record.shape)]
     for p in record.placements:
         if isinstance(p, Shard):
@@ -75,7 +77,9 @@ def _decode(row: list[int], mesh_ndim: int) -> RankRecord:
     return RankRecord(_DTYPES[row[0]], bool(row[1]), tuple(placements), shape)
 
 
-def gather_records(record: RankRecord, mesh: DeviceMesh, device: torch.device) -> dict[tuple[int, ...], RankRecord]:
+def gather_records(
+    record: RankRecord, mesh: DeviceMesh, device: torch.device
+) -> dict[tuple[int, ...], RankRecord]:
     """Every mesh coordinate's record, on every rank of the mesh (one all-gather per axis)."""
     stacked = _encode(record, mesh.ndim).to(device)
     for axis in reversed(range(mesh.ndim)):
@@ -84,7 +88,12 @@ def gather_records(record: RankRecord, mesh: DeviceMesh, device: torch.device) -
         else:
             stacked = stacked.unsqueeze(0)
     rows = stacked.reshape(-1, stacked.shape[-1]).cpu().tolist()
-    coordinates = [tuple(int(i) for i in c) for c in torch.cartesian_prod(*[torch.arange(n) for n in mesh.shape]).reshape(len(rows), -1).tolist()]
+    coordinates = [
+        tuple(int(i) for i in c)
+        for c in torch.cartesian_prod(*[torch.arange(n) for n in mesh.shape])
+        .reshape(len(rows), -1)
+        .tolist()
+    ]
     return {c: _decode(row, mesh.ndim) for c, row in zip(coordinates, rows, strict=True)}
 
 

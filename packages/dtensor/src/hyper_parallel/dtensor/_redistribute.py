@@ -36,7 +36,11 @@ def check_redistribute_target(
     ``RuntimeError`` like torch's (and a ``ValueError``, as before).
     """
     for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
-        if isinstance(d, Partial) and s != d and not (isinstance(s, Shard) and d.reduce_op == "sum"):
+        if (
+            isinstance(d, Partial)
+            and s != d
+            and not (isinstance(s, Shard) and d.reduce_op == "sum")
+        ):
             raise PlacementError(
                 f"{where}: mesh axis {axis}: cannot redistribute {s!r} to {d!r}; only Shard -> "
                 "Partial('sum') reaches a Partial (a Partial value otherwise only arises from "

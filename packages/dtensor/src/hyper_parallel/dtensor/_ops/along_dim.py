@@ -41,7 +41,9 @@ def _keep_other_dims(
             ins.append(_R)
             outs.append(_R)
     n_out = len(call.out_metas)
-    return Decision([tuple(ins)] + [(_R,) * call.mesh.ndim] * (len(call.specs) - 1), [tuple(outs)] * n_out)
+    return Decision(
+        [tuple(ins)] + [(_R,) * call.mesh.ndim] * (len(call.specs) - 1), [tuple(outs)] * n_out
+    )
 
 
 def _cumsum_rule(call: OpCall) -> Decision:

@@ -236,6 +236,7 @@ def _overloads(name: str) -> list[Any]:
 _OUT_OF_PLACE = [op for base in _ELEMENTWISE for op in _overloads(f"_foreach_{base}")]
 _IN_PLACE = [op for base in _ELEMENTWISE for op in _overloads(f"_foreach_{base}_")]
 
+
 def _per_mesh(handler: Any) -> Any:
     """Run a foreach op once per mesh when its tensors live on several (one group per mesh).
 
@@ -261,7 +262,9 @@ def _per_mesh(handler: Any) -> Any:
                     return [value[i] for i in indices]
                 return value
 
-            out = handler(func, tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()})
+            out = handler(
+                func, tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()}
+            )
             if out is not None:
                 returned = True
                 for i, o in zip(indices, out, strict=True):

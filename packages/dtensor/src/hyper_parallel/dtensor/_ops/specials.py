@@ -9,9 +9,14 @@ import torch
 from hyper_parallel.dtensor._dispatch import dispatch_by_rules
 from hyper_parallel.dtensor._redistribute import PlacementError, redistribute_local
 from hyper_parallel.dtensor._registry import register_special
-from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, partial_to_replicate, replicate_all
-from hyper_parallel.dtensor.collectives import all_reduce_over
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    partial_to_replicate,
+    replicate_all,
+)
 from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.dtensor.collectives import all_reduce_over
 
 aten = torch.ops.aten
 
@@ -107,5 +112,7 @@ def _as_strided(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         return DTensor(local.as_strided(local.size(), local.stride(), local.storage_offset()), spec)
     if spec.is_replicated():
         meta = TensorMeta(size, stride, spec.tensor_meta.dtype)
-        return DTensor(func(local, *args[1:], **kwargs), DTensorSpec(spec.mesh, spec.placements, meta))
+        return DTensor(
+            func(local, *args[1:], **kwargs), DTensorSpec(spec.mesh, spec.placements, meta)
+        )
     return dispatch_by_rules(DTensor, func, args, kwargs)
