@@ -1,9 +1,9 @@
 """Sharding rules of ops that work along some dims and map the others one to one.
 
-``cumsum``, ``logsumexp``, ``prod``, ``topk``, ``repeat``, ``constant_pad_nd``: a shard
+``cumsum``, ``flip``, ``logsumexp``, ``prod``, ``topk``, ``repeat``, ``constant_pad_nd``: a shard
 of a dim the op does not touch stays sharded (at the dim's place in the output); a
 shard of a dim it works along is gathered first, as torch does. Partial inputs are
-reduced first, except that ``cumsum`` keeps a Partial sum (it is linear).
+reduced first, except that ``cumsum`` and ``flip`` keep a Partial sum (they are linear).
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def _cumsum_rule(call: OpCall) -> Decision:
     return _keep_other_dims(call, dim_map, keep_sum_partial=floating)
 
 
+def _flip_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    flipped = {_norm(d, spec.ndim) for d in call.args[1]}
+    floating = spec.tensor_meta.dtype.is_floating_point or spec.tensor_meta.dtype.is_complex
+    dim_map = [None if d in flipped else d for d in range(spec.ndim)]
+    return _keep_other_dims(call, dim_map, keep_sum_partial=floating)
+
+
 def _reducing_rule(call: OpCall) -> Decision:
     """logsumexp(dims, keepdim) / prod.dim_int(dim, keepdim) / prod.default."""
     spec = call.specs[0]
@@ -95,6 +103,7 @@ def _pad_rule(call: OpCall) -> Decision:
 
 
 register_rule(aten.cumsum.default)(_cumsum_rule)
+register_rule(aten.flip.default)(_flip_rule)
 register_rule(aten.logsumexp.default, aten.prod.dim_int, aten.prod.default)(_reducing_rule)
 register_rule(aten.topk.default)(_topk_rule)
 register_rule(aten.repeat.default)(_repeat_rule)
