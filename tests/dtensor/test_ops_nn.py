@@ -175,13 +175,19 @@ def _loss_cases(gen: torch.Generator) -> list[OpCase]:
 def _factory_cases(gen: torch.Generator) -> list[OpCase]:
     x = torch.randn(rand_shape(gen, 2, 2, 7), generator=gen)
     every = [(Shard(0),), (Shard(1),), (_R,), (_P,)]
+    not_partial = [(Shard(0),), (Shard(1),), (_R,)]
     shape = tuple(x.shape)
     return [
         OpCase("zeros_like", torch.zeros_like, (x,), every, grad=False),
         OpCase("ones_like", torch.ones_like, (x,), every, grad=False),
         OpCase("full_like", lambda t: torch.full_like(t, 2.5), (x,), every, grad=False),
         OpCase(
-            "empty_like_filled", lambda t: torch.empty_like(t).fill_(1.5), (x,), every, grad=False
+            # fill_ of a Partial follows torch (n * value): test_torch_semantics_partial.py
+            "empty_like_filled",
+            lambda t: torch.empty_like(t).fill_(1.5),
+            (x,),
+            not_partial,
+            grad=False,
         ),
         OpCase(
             "to_empty_like",
@@ -194,7 +200,11 @@ def _factory_cases(gen: torch.Generator) -> list[OpCase]:
         OpCase("new_ones_same", lambda t: t.new_ones(shape), (x,), every, grad=False),
         OpCase("new_full_other", lambda t: t.new_full((3, 2), 7.0), (x,), every, grad=False),
         OpCase(
-            "new_empty_filled", lambda t: t.new_empty(shape).fill_(3.0), (x,), every, grad=False
+            "new_empty_filled",
+            lambda t: t.new_empty(shape).fill_(3.0),
+            (x,),
+            not_partial,
+            grad=False,
         ),
         OpCase("zeros_like_plus", lambda t: torch.zeros_like(t) + t, (x,), every),
     ]

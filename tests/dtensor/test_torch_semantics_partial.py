@@ -158,6 +158,18 @@ def _partial_sources(side: Side) -> dict[str, Any]:
             dt = side.distribute(_X.clone(), [placement])
         out[f"distribute_tensor into Partial({name})"] = (layout(dt), dt.to_local(), full(dt))
         out[f"distribute comm {name}"] = counts
+    p = side.from_local(torch.ones(2, 3), [side.Partial()])
+    for name, make in {
+        "zeros_like": lambda: torch.zeros_like(p),
+        "ones_like": lambda: torch.ones_like(p),
+        "full_like": lambda: torch.full_like(p, 2.0),
+        "new_zeros": lambda: p.new_zeros((2, 3)),
+        "empty_like then fill_": lambda: torch.empty_like(p).fill_(3.0),
+        "new_empty then fill_": lambda: p.new_empty((2, 3)).fill_(3.0),
+    }.items():
+        with side.comm() as counts:
+            made = make()
+        out[f"{name} of a Partial"] = (layout(made), float(full(made)[0, 0]), dict(counts))
     r = side.distribute(_X.clone(), [side.Replicate()])
     try:
         r.redistribute(side.mesh, [side.Partial()])
@@ -182,6 +194,8 @@ def test_distribute_tensor_into_partial_and_redistribute_to_partial_like_torch(
             if key.startswith("distribute comm"):
                 want = {**want, "all_gather": 1}  # README: the shape/dtype check of every rank
                 assert value == want, (key, value, theirs[key])
+            elif key.endswith("of a Partial"):
+                assert value == want, (key, value, want)
             elif isinstance(value, tuple):
                 assert value[0] == want[0] and torch.allclose(value[1], want[1]), (key, value, want)
                 assert torch.allclose(value[2], _X, atol=1e-6), key

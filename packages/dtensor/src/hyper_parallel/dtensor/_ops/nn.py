@@ -156,7 +156,7 @@ def _like_rule(call: OpCall) -> Decision:
     without any collective, as in torch.
     """
     spec = call.specs[0]
-    keeps_partial = call.func.overloadpacket in (aten.empty_like, aten.zeros_like)
+    keeps_partial = call.func.overloadpacket is aten.empty_like  # torch: zeros_like replicates
     placements = tuple(
         p if not isinstance(p, Partial) or keeps_partial else _R for p in spec.placements
     )
@@ -169,7 +169,7 @@ def _new_factory_rule(call: OpCall) -> Decision:
     size = tuple(call.args[1])
     out_meta = call.out_metas[0]
     assert out_meta is not None
-    keeps = call.func.overloadpacket in (aten.new_empty, aten.new_zeros, aten.new_empty_strided)
+    keeps = call.func.overloadpacket in (aten.new_empty, aten.new_empty_strided)  # as torch
     placements: tuple[Placement, ...]
     if size == spec.shape:
         placements = tuple(

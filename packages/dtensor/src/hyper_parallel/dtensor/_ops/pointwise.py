@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
@@ -98,6 +100,8 @@ def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
                     ins2: list[Placement] = [Replicate()] * len(specs)
                     ins2[i] = p
                     cands.append((tuple(ins2), (p,) * n_out))
+    if specs and isinstance(current[0], Partial) and _writes_partial_exactly(call):
+        cands.append(((current[0],) + (Replicate(),) * (len(specs) - 1), (current[0],) * n_out))
     if packet in _OVERWRITES and specs and isinstance(current[0], Partial):
         # fill_/zero_ write every local element: a Partial target stays Partial, as in
         # torch (fill_(v) of a Partial(sum) over n ranks then holds n * v).
@@ -106,11 +110,43 @@ def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
     return cands
 
 
+def _writes_partial_exactly(call: OpCall) -> bool:
+    """An in-place op that keeps a Partial target exact: a scalar added once, a scalar fill.
+
+    ``p.add_(c)`` adds ``c`` on the first rank of each Partial("sum") axis only;
+    ``p.masked_fill_(mask, v)`` fills ``v`` there and ``0`` elsewhere (every rank, for
+    avg/max/min). torch has no layout for these and raises.
+    """
+    packet = call.func.overloadpacket
+    if packet in (aten.add_, aten.sub_):
+        return len(call.specs) == 1 and _has_scalar_addend(call)
+    if packet is aten.masked_fill_:
+        return len(call.specs) == 2 and not isinstance(call.args[2], DTensorSpec)
+    return False
+
+
+def _on_other_ranks_of_a_sum(func: torch._ops.OpOverload) -> Any:
+    """What a rank that is not first along a Partial("sum") axis does for such an op."""
+    if func.overloadpacket is aten.masked_fill_:
+        return lambda x, mask, value: x.masked_fill_(mask, 0)
+    return lambda x, *args, **kwargs: x  # add_/sub_: the scalar is added on the first rank
+
+
 def pointwise_rule(call: OpCall) -> Decision:
     """The rule for element-wise ops."""
     if call.out_metas[0] is None:
         return None  # type: ignore[return-value]
-    return choose(call, lambda axis: pointwise_candidates(call, axis))
+    decision = choose(call, lambda axis: pointwise_candidates(call, axis))
+    if _writes_partial_exactly(call):
+        coordinate = call.mesh.get_coordinate() or [0] * call.mesh.ndim
+        sum_axes = [
+            axis
+            for axis, p in enumerate(decision.inputs[0])
+            if isinstance(p, Partial) and p.reduce_op == "sum"
+        ]
+        if any(coordinate[axis] != 0 for axis in sum_axes):
+            decision.local_fn = _on_other_ranks_of_a_sum(call.func)
+    return decision
 
 
 def is_pointwise(func: torch._ops.OpOverload) -> bool:
