@@ -9,6 +9,7 @@ README), and values must match the same computation on full tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -159,14 +160,15 @@ def _partial_sources(side: Side) -> dict[str, Any]:
         out[f"distribute_tensor into Partial({name})"] = (layout(dt), dt.to_local(), full(dt))
         out[f"distribute comm {name}"] = counts
     p = side.from_local(torch.ones(2, 3), [side.Partial()])
-    for name, make in {
+    makers: dict[str, Callable[[], Any]] = {
         "zeros_like": lambda: torch.zeros_like(p),
         "ones_like": lambda: torch.ones_like(p),
         "full_like": lambda: torch.full_like(p, 2.0),
         "new_zeros": lambda: p.new_zeros((2, 3)),
         "empty_like then fill_": lambda: torch.empty_like(p).fill_(3.0),
         "new_empty then fill_": lambda: p.new_empty((2, 3)).fill_(3.0),
-    }.items():
+    }
+    for name, make in makers.items():
         with side.comm() as counts:
             made = make()
         out[f"{name} of a Partial"] = (layout(made), float(full(made)[0, 0]), dict(counts))
