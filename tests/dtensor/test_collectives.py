@@ -53,8 +53,12 @@ def test_collectives_compute_over_the_named_axis_and_record_it() -> None:
         # the ranks of rank 0's "dp" group), then its column halves scattered along "tp"; the
         # sharded softmax reduces in its kernel along "tp" (row max, sum of exponentials:
         # 4 rows each); full_tensor gathers along "tp"
+        # Before that, distribute_tensor checks every rank's shape and dtype: one all-gather
+        # of a 71-int64 record along "tp", then of the two gathered records along "dp".
         broadcast = [("broadcast", 96, 2, "dp")] if tp == 0 else []
         assert records[2:] == [
+            ("all_gather", 568, 2, "tp"),
+            ("all_gather", 1136, 2, "dp"),
             *broadcast,
             ("scatter", 48, 2, "tp"),
             ("all_reduce", 16, 2, "tp"),
