@@ -73,6 +73,6 @@ def test_shard_rejects_a_non_int_dim() -> None:
 
 def test_partial_rejects_an_unknown_reduce_op() -> None:
     with pytest.raises(
-        ValueError, match=r"expected one of \('sum', 'avg', 'max', 'min'\), found 'prod'"
+        ValueError, match=r"expected one of \('sum', 'avg', 'product', 'max', 'min'\), found 'prod'"
     ):
         Partial("prod")  # type: ignore[arg-type]

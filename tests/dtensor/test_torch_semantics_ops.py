@@ -56,6 +56,8 @@ CASES = [
     Case("topk along an unsharded dim", lambda s: torch.topk(s, 2, dim=1), (_X,), ("S0",), True),
     Case("prod along an unsharded dim", lambda s: torch.prod(s, 1), (_X,), ("S0",)),
     Case("prod of all elements", torch.prod, (_X,), ("S1",)),
+    Case("prod over the sharded dim", lambda s: torch.prod(s, 1), (_X,), ("S1",)),
+    Case("a product Partial scaled", lambda s: torch.prod(s, 1) * 2.0, (_X,), ("S1",)),
     Case("constant_pad_nd of an unsharded dim", lambda s: F.pad(s, (1, 2)), (_X,), ("S0",), True),
     Case("constant_pad_nd of the sharded dim", lambda s: F.pad(s, (0, 0, 1, 0)), (_X,), ("S0",)),
     Case("nll_loss2d of batch shards", F.nll_loss, (_LOGP4, _T4), ("S0", "S0"), True),
@@ -92,8 +94,9 @@ CASES = [
 
 # hp-dtensor runs the case; torch differs deliberately (README): placement, forward collectives
 DIFFERENT: dict[str, tuple[Any, dict[str, int]]] = {
-    # no "product" Partial: the shards are gathered
-    "prod of all elements": ((("R",),), {"all_gather": 1}),
+    # a Partial input an op needs whole is reduce-scattered into a Shard (fewer bytes than
+    # torch's all-reduce to Replicate)
+    "a product Partial scaled": ((("S", 0),), {"reduce_scatter": 1}),
     # a mean over batch shards stays Partial (one all-reduce of the total weight)
     "nll_loss2d of batch shards": ((("P", "sum"),), {"all_reduce": 1}),
     "nll_loss of a 3-D input": ((("P", "sum"),), {"all_reduce": 1}),

@@ -24,7 +24,7 @@ _MAX_DIMS = 64
 _DTYPES: tuple[torch.dtype, ...] = tuple(
     sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 )
-_REDUCE_OPS = ("sum", "avg", "max", "min")
+_REDUCE_OPS = ("sum", "avg", "product", "max", "min")
 
 
 class RankRecord:

@@ -282,12 +282,15 @@ def partition_replicated(
     """This rank's part of a replicated value laid out as ``partial`` (torch's partition).
 
     Sum: the value over the axis size (exact for power-of-two sizes); integer sums keep
-    the value on the axis's first rank and zeros elsewhere. Avg, max, min: the value.
+    the value on the axis's first rank and zeros elsewhere. Product: the value on the
+    first rank, ones elsewhere. Avg, max, min: the value.
 
     Example::
 
         partition_replicated(torch.ones(2), Partial(), 0, 2)   # tensor([0.5, 0.5])
     """
+    if partial.reduce_op == "product":
+        return local.clone() if axis_rank == 0 else torch.ones_like(local)
     if partial.reduce_op != "sum":
         return local.clone()
     if local.is_floating_point() or local.is_complex():

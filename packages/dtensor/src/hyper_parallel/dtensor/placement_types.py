@@ -6,8 +6,8 @@ from typing import Literal
 
 __all__ = ["Partial", "Placement", "ReduceOp", "Replicate", "Shard"]
 
-ReduceOp = Literal["sum", "avg", "max", "min"]
-_REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+ReduceOp = Literal["sum", "avg", "product", "max", "min"]
+_REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "max", "min")
 
 
 class Placement:
@@ -109,7 +109,8 @@ class Replicate(Placement):
 class Partial(Placement):
     """Every rank holds a partial value; the tensor is their reduction by ``reduce_op``.
 
-    ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``.
+    ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"product"``, ``"max"``, ``"min"``
+    (torch's names; ``"product"`` is what ``prod`` over a sharded dim gives).
 
     Example::
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Platform", "ReduceOpName"]
 
-ReduceOpName = Literal["sum", "avg", "max", "min"]
+ReduceOpName = Literal["sum", "avg", "product", "max", "min"]
 
 
 @runtime_checkable

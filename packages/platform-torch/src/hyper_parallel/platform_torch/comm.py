@@ -41,9 +41,14 @@ __all__ = [
     "scatter",
 ]
 
-ReduceOpName = Literal["sum", "avg", "max", "min"]
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
-_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+ReduceOpName = Literal["sum", "avg", "product", "max", "min"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "max", "min")
+_NATIVE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "product": dist.ReduceOp.PRODUCT,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 _RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 # (backend, collective) pairs a backend refused as unsupported; see the module docstring.
@@ -273,7 +278,7 @@ def _all_gather_by_list(
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
 ) -> torch.Tensor:
-    """Element-wise ``reduce_op`` ("sum", "avg", "max", "min") of every rank's ``tensor``.
+    """Element-wise ``reduce_op`` ("sum", "avg", "product", "max", "min") of every rank's ``tensor``.
 
     "avg" is a sum divided by the group size, on every backend; it needs a
     floating-point (or complex) dtype and raises ``TypeError`` for integers.

@@ -1,6 +1,6 @@
 """Sharding rules of ops that work along some dims and map the others one to one.
 
-``cumsum``, ``flip``, ``logsumexp``, ``prod``, ``topk``, ``repeat``, ``constant_pad_nd``: a shard
+``cumsum``, ``flip``, ``logsumexp``, ``topk``, ``repeat``, ``constant_pad_nd``: a shard
 of a dim the op does not touch stays sharded (at the dim's place in the output); a
 shard of a dim it works along is gathered first, as torch does. Partial inputs are
 reduced first, except that ``cumsum`` and ``flip`` keep a Partial sum (they are linear).
@@ -63,11 +63,9 @@ def _flip_rule(call: OpCall) -> Decision:
 
 
 def _reducing_rule(call: OpCall) -> Decision:
-    """logsumexp(dims, keepdim) / prod.dim_int(dim, keepdim) / prod.default."""
+    """logsumexp(dims, keepdim): a shard of a reduced dim is gathered."""
     spec = call.specs[0]
     ndim = spec.ndim
-    if call.func is aten.prod.default:
-        return _keep_other_dims(call, [None] * ndim)
     raw = call.args[1] if len(call.args) > 1 else call.kwargs["dim"]
     reduced = {_norm(d, ndim) for d in ([raw] if isinstance(raw, int) else raw)} or set(range(ndim))
     keepdim = bool(call.args[2] if len(call.args) > 2 else call.kwargs.get("keepdim", False))
@@ -104,7 +102,7 @@ def _pad_rule(call: OpCall) -> Decision:
 
 register_rule(aten.cumsum.default)(_cumsum_rule)
 register_rule(aten.flip.default)(_flip_rule)
-register_rule(aten.logsumexp.default, aten.prod.dim_int, aten.prod.default)(_reducing_rule)
+register_rule(aten.logsumexp.default)(_reducing_rule)
 register_rule(aten.topk.default)(_topk_rule)
 register_rule(aten.repeat.default)(_repeat_rule)
 register_rule(aten.constant_pad_nd.default)(_pad_rule)

@@ -26,6 +26,7 @@ _PARTIAL_OF: dict[Any, str | None] = {
     aten.mean: "sum",  # computed as a local sum over the global count
     aten.amax: "max",
     aten.amin: "min",
+    aten.prod: "product",
     aten.max: "max",
     aten.min: "min",
     aten.var: None,
@@ -43,6 +44,7 @@ _KEEPS_PARTIAL = {
     aten.mean: ("sum", "avg"),
     aten.amax: ("max",),
     aten.amin: ("min",),
+    aten.prod: ("product",),
     aten.max: ("max",),
     aten.min: ("min",),
 }
@@ -315,6 +317,8 @@ register_rule(
     aten.mean.dim,
     aten.amax.default,
     aten.amin.default,
+    aten.prod.default,
+    aten.prod.dim_int,
     aten.max.default,
     aten.min.default,
     aten.max.dim,
