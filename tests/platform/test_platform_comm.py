@@ -186,7 +186,7 @@ def test_avg_of_integers_and_unknown_reduce_ops_are_rejected() -> None:
         PLATFORM.all_reduce(torch.ones(2, dtype=torch.int64), None, "avg")
     with pytest.raises(TypeError, match=r"'avg'.*floating-point.*torch.int32"):
         PLATFORM.reduce_scatter(torch.ones(1, 2, dtype=torch.int32), None, "avg")
-    with pytest.raises(ValueError, match=r"\('sum', 'avg', 'max', 'min'\), got 'prod'"):
+    with pytest.raises(ValueError, match=r"\('sum', 'avg', 'product', 'max', 'min'\), got 'prod'"):
         PLATFORM.all_reduce(torch.ones(2), None, "prod")  # type: ignore[arg-type]
 
 
