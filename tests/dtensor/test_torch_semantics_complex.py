@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tests._harness import run_on_ranks, world_sizes
 from tests._tolerance import assert_close_to_scale
-from tests.dtensor._torch_twin import Side, full, layout, sides
+from tests.dtensor._torch_twin import Side, close, full, layout, sides
 
 from hyper_parallel.dtensor import fallback_counts, reset_fallback_counts
 
@@ -58,7 +58,7 @@ def _complex_elementwise(side: Side, world_size: int) -> dict[str, Any]:
             value = full(got)
             want = fn(x)
             out[key] = {
-                "close": torch.allclose(value.resolve_conj(), want.resolve_conj(), atol=1e-5),
+                "close": close(value.resolve_conj(), want.resolve_conj()),
                 "layout": layout(got),
                 "comm": counts,
                 "is_conj": got.is_conj(),

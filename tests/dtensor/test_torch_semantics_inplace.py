@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from tests._harness import run_on_ranks, world_sizes
-from tests.dtensor._torch_twin import Side, full, layout, sides
+from tests.dtensor._torch_twin import Side, close, full, layout, sides
 
 from hyper_parallel.dtensor import (
     DTensor,
@@ -106,8 +106,8 @@ def _in_place(side: Side) -> dict[str, Any]:
             "returns_target": result is target,
             "layout": layout(target),
             "comm": counts,
-            "value": torch.allclose(got, want),
-            "view_sees_it": view is None or torch.allclose(full(view), want.reshape(-1)),
+            "value": close(got, want),
+            "view_sees_it": view is None or close(full(view), want.reshape(-1)),
             "fell_back": side.name == "hp" and bool(fallback_counts()),
         }
         reset_fallback_counts()

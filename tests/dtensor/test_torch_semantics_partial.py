@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from tests._harness import run_on_ranks, world_sizes
-from tests.dtensor._torch_twin import Case, Side, full, layout, run_case, sides
+from tests.dtensor._torch_twin import Case, Side, close, full, layout, run_case, sides
 
 _G = torch.Generator().manual_seed(5)
 _X = torch.randn(4, 6, generator=_G)
@@ -199,7 +199,7 @@ def test_distribute_tensor_into_partial_and_redistribute_to_partial_like_torch(
             elif key.endswith("of a Partial"):
                 assert value == want, (key, value, want)
             elif isinstance(value, tuple):
-                assert value[0] == want[0] and torch.allclose(value[1], want[1]), (key, value, want)
-                assert torch.allclose(value[2], _X, atol=1e-6), key
+                assert value[0] == want[0] and close(value[1], want[1]), (key, value, want)
+                assert close(value[2], _X), key
             else:
                 assert value == want, (key, value, want)
