@@ -19,12 +19,15 @@ import hyper_parallel.dtensor as hp
 
 __all__ = [
     "Case",
+    "Expected",
     "Side",
+    "assert_like_torch",
     "close",
     "full",
     "hp_side",
     "layout",
     "run_case",
+    "run_cases_on_both",
     "sides",
     "torch_side",
 ]
@@ -234,3 +237,46 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
         return torch.equal(got, want)
     scale = float(want.abs().max()) if want.numel() else 0.0
     return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(scale, 1e-30))
+
+
+Expected = tuple[Any, dict[str, int]]
+"""A deliberate difference: hp-dtensor's output layout and forward collectives."""
+
+
+def run_cases_on_both(cases: list[Case], world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every case on hp-dtensor and on torch over a 1-D mesh of ``world_size`` (per rank)."""
+    ours, theirs = sides((world_size,))
+    return (
+        {case.name: run_case(ours, case) for case in cases},
+        {case.name: run_case(theirs, case) for case in cases},
+    )
+
+
+def assert_like_torch(
+    ours: dict[str, Any],
+    theirs: dict[str, Any],
+    different: dict[str, Expected],
+    torch_lacks: frozenset[str] = frozenset(),
+) -> None:
+    """Every case ran through rules, with the oracle's values and torch's layout and collectives.
+
+    ``different`` names the deliberate differences (README) and what hp-dtensor gives
+    there; ``torch_lacks`` the cases torch raises for or handles differently (only the
+    values are checked).
+    """
+    for name, mine in ours.items():
+        torch_result = theirs[name]
+        assert "raised" not in mine, (name, mine)
+        assert mine["close"], (name, mine)
+        assert mine["fallbacks"] == {}, (name, mine)
+        if name in different:
+            assert (mine["layout"], mine["forward"]) == different[name], (name, mine)
+            assert (
+                torch_result.get("layout") != mine["layout"]
+                or torch_result.get("forward") != mine["forward"]
+            ), (name, "not a difference", torch_result)
+            continue
+        if name in torch_lacks or "raised" in torch_result:
+            continue
+        assert mine["layout"] == torch_result["layout"], (name, mine, torch_result)
+        assert mine["forward"] == torch_result["forward"], (name, mine, torch_result)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from tests._harness import run_on_ranks, world_sizes
-from tests.dtensor._torch_twin import Case, Side, run_case, sides
+from tests.dtensor._torch_twin import Case, Expected, assert_like_torch, run_cases_on_both
 
 _G = torch.Generator().manual_seed(11)
 _X = torch.randn(4, 6, generator=_G)
@@ -93,7 +93,7 @@ CASES = [
 ]
 
 # hp-dtensor runs the case; torch differs deliberately (README): placement, forward collectives
-DIFFERENT: dict[str, tuple[Any, dict[str, int]]] = {
+DIFFERENT: dict[str, Expected] = {
     # a Partial input an op needs whole is reduce-scattered into a Shard (fewer bytes than
     # torch's all-reduce to Replicate)
     "a product Partial scaled": ((("S", 0),), {"reduce_scatter": 1}),
@@ -102,31 +102,14 @@ DIFFERENT: dict[str, tuple[Any, dict[str, int]]] = {
     "nll_loss of a 3-D input": ((("P", "sum"),), {"all_reduce": 1}),
 }
 # torch raises or declines where hp-dtensor computes (values still checked)
-TORCH_LACKS = {"as_strided as the identity view", "equal", "not equal"}
-
-
-def _run(side: Side) -> dict[str, Any]:
-    return {case.name: run_case(side, case) for case in CASES}
+TORCH_LACKS = frozenset({"as_strided as the identity view", "equal", "not equal"})
 
 
 def _both(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    ours, theirs = sides((world_size,))
-    return _run(ours), _run(theirs)
+    return run_cases_on_both(CASES, world_size)
 
 
 @world_sizes(2, 4)
 def test_ops_with_torch_rules_run_through_rules_like_torch(world_size: int) -> None:
     for ours, theirs in run_on_ranks(_both, world_size, world_size):
-        for name, mine in ours.items():
-            torch_result = theirs[name]
-            assert "raised" not in mine, (name, mine)
-            assert mine["close"], (name, mine)
-            assert mine["fallbacks"] == {}, (name, mine)
-            if name in DIFFERENT:
-                want_layout, want_forward = DIFFERENT[name]
-                assert (mine["layout"], mine["forward"]) == (want_layout, want_forward), mine
-                continue
-            if name in TORCH_LACKS or "raised" in torch_result:
-                continue
-            assert mine["layout"] == torch_result["layout"], (name, mine, torch_result)
-            assert mine["forward"] == torch_result["forward"], (name, mine, torch_result)
+        assert_like_torch(ours, theirs, DIFFERENT, TORCH_LACKS)

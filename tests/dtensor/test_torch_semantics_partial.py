@@ -15,7 +15,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from tests._harness import run_on_ranks, world_sizes
-from tests.dtensor._torch_twin import Case, Side, close, full, layout, run_case, sides
+from tests.dtensor._torch_twin import (
+    Case,
+    Expected,
+    Side,
+    assert_like_torch,
+    close,
+    full,
+    layout,
+    run_cases_on_both,
+    sides,
+)
 
 _G = torch.Generator().manual_seed(5)
 _X = torch.randn(4, 6, generator=_G)
@@ -74,7 +84,7 @@ def _partial_of(dt: Any) -> Any:
 
 # Deliberate differences (README, "Differences from torch.distributed.tensor"): the output
 # placement hp-dtensor gives, and the collectives it saves or adds, where torch differs.
-DIFFERENT = {
+DIFFERENT: dict[str, Expected] = {
     # softmax over a sharded dim stays sharded: the row max and sum are all-reduced in the
     # kernel (loss parallel); torch gathers the input.
     "softmax of a shard of the softmax dim": ((("S", 1),), {"all_reduce": 2}),
@@ -85,32 +95,14 @@ DIFFERENT = {
 }
 
 
-def _run(side: Side) -> dict[str, Any]:
-    return {case.name: run_case(side, case) for case in CASES}
-
-
 def _both(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    ours, theirs = sides((world_size,))
-    return _run(ours), _run(theirs)
+    return run_cases_on_both(CASES, world_size)
 
 
 @world_sizes(2, 4)
 def test_partial_propagates_like_torch(world_size: int) -> None:
     for ours, theirs in run_on_ranks(_both, world_size, world_size):
-        for name, mine in ours.items():
-            torch_result = theirs[name]
-            assert "raised" not in mine, (name, mine)
-            assert mine["close"], (name, mine)
-            assert mine["fallbacks"] == {}, (name, mine)
-            if name in DIFFERENT:
-                want_layout, want_forward = DIFFERENT[name]
-                assert mine["layout"] == want_layout and mine["forward"] == want_forward, mine
-                assert torch_result["layout"] != want_layout, (name, torch_result)
-                continue
-            assert mine["layout"] == torch_result["layout"], (name, mine, torch_result)
-            assert mine["forward"] == torch_result["forward"], (name, mine, torch_result)
-            # backward: values only (checked in "close"); a leaf's gradient is laid out like
-            # the leaf here (README, "Gradients"), so its collectives differ from torch's
+        assert_like_torch(ours, theirs, DIFFERENT)
 
 
 def _seed_gradients(side: Side) -> dict[str, Any]:

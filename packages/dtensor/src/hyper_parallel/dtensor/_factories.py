@@ -8,7 +8,7 @@ slice of what the same call gives on one device after the same ``torch.manual_se
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,7 +25,7 @@ from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.dtensor.placement_types import Placement, Replicate
 from hyper_parallel.platform import get_platform
 
-__all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
+__all__ = ["Factory", "empty", "full", "ones", "rand", "randn", "zeros"]
 
 Size = int | Sequence[int] | torch.Size
 
@@ -65,76 +65,116 @@ def _make(
     return result
 
 
-def ones(
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
+class Factory(Protocol):
+    """The signature of ``ones``, ``zeros``, ``empty``, ``rand`` and ``randn``."""
+
+    def __call__(
+        self,
+        *size: Any,
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+    ) -> DTensor: ...
+
+
+def _factory(
+    name: str,
+    local_init: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor],
+    doc: str,
+) -> Factory:
+    def factory(
+        *size: Any,
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+    ) -> DTensor:
+        return _make(
+            name,
+            size,
+            local_init,
+            dtype=dtype,
+            requires_grad=requires_grad,
+            device_mesh=device_mesh,
+            placements=placements,
+        )
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = doc
+    return factory
+
+
+def _drawn(name: str, fill: str, doc: str) -> Factory:
+    """A random factory: an empty DTensor filled in place by the DTensor random op ``fill``."""
+
+    def factory(
+        *size: Any,
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+    ) -> DTensor:
+        out = empty(*size, dtype=dtype, device_mesh=device_mesh, placements=placements)
+        with torch.no_grad():
+            getattr(out, fill)()
+        return out.requires_grad_(requires_grad) if requires_grad else out
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = doc
+    return factory
+
+
+ones = _factory(
+    "ones",
+    lambda s, d, dev: torch.ones(s, dtype=d, device=dev),
     """A DTensor of ones of global shape ``size``.
 
     Example::
 
         w = ones(8, 4, device_mesh=mesh, placements=[Shard(0)])
-    """
-    return _make(
-        "ones",
-        size,
-        lambda s, d, dev: torch.ones(s, dtype=d, device=dev),
-        dtype=dtype,
-        requires_grad=requires_grad,
-        device_mesh=device_mesh,
-        placements=placements,
-    )
-
-
-def zeros(
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
+    """,
+)
+zeros = _factory(
+    "zeros",
+    lambda s, d, dev: torch.zeros(s, dtype=d, device=dev),
     """A DTensor of zeros of global shape ``size``.
 
     Example::
 
         w = zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])
-    """
-    return _make(
-        "zeros",
-        size,
-        lambda s, d, dev: torch.zeros(s, dtype=d, device=dev),
-        dtype=dtype,
-        requires_grad=requires_grad,
-        device_mesh=device_mesh,
-        placements=placements,
-    )
-
-
-def empty(
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
+    """,
+)
+empty = _factory(
+    "empty",
+    lambda s, d, dev: torch.empty(s, dtype=d, device=dev),
     """An uninitialised DTensor of global shape ``size``.
 
     Example::
 
         w = empty(8, 4, device_mesh=mesh, placements=[Shard(0)])
-    """
-    return _make(
-        "empty",
-        size,
-        lambda s, d, dev: torch.empty(s, dtype=d, device=dev),
-        dtype=dtype,
-        requires_grad=requires_grad,
-        device_mesh=device_mesh,
-        placements=placements,
-    )
+    """,
+)
+rand = _drawn(
+    "rand",
+    "uniform_",
+    """Uniform ``[0, 1)`` values: this rank's slice of ``torch.rand(size)`` on one device.
+
+    Example::
+
+        torch.manual_seed(0); w = rand(8, 4, device_mesh=mesh, placements=[Shard(0)])
+    """,
+)
+randn = _drawn(
+    "randn",
+    "normal_",
+    """Standard normal values: this rank's slice of ``torch.randn(size)`` on one device.
+
+    Example::
+
+        torch.manual_seed(0); w = randn(8, 4, device_mesh=mesh, placements=[Shard(0)])
+    """,
+)
 
 
 def full(
@@ -165,41 +205,3 @@ def full(
         device_mesh=device_mesh,
         placements=placements,
     )
-
-
-def rand(
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    """Uniform ``[0, 1)`` values: this rank's slice of ``torch.rand(size)`` on one device.
-
-    Example::
-
-        torch.manual_seed(0); w = rand(8, 4, device_mesh=mesh, placements=[Shard(0)])
-    """
-    out = empty(*size, dtype=dtype, device_mesh=device_mesh, placements=placements)
-    with torch.no_grad():
-        out.uniform_()
-    return out.requires_grad_(requires_grad) if requires_grad else out
-
-
-def randn(
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    """Standard normal values: this rank's slice of ``torch.randn(size)`` on one device.
-
-    Example::
-
-        torch.manual_seed(0); w = randn(8, 4, device_mesh=mesh, placements=[Shard(0)])
-    """
-    out = empty(*size, dtype=dtype, device_mesh=device_mesh, placements=placements)
-    with torch.no_grad():
-        out.normal_()
-    return out.requires_grad_(requires_grad) if requires_grad else out
