@@ -14,6 +14,7 @@ from hyper_parallel.dtensor import (
     _ops,  # noqa: F401  (registers the sharding rules)
     collectives,
 )
+from hyper_parallel.dtensor._checkpointable import register_safe_globals as _register_safe_globals
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
@@ -30,6 +31,9 @@ from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.debug import CommDebugMode
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+# As torch.distributed.tensor does for its classes: torch.load(weights_only=True) may rebuild them.
+_register_safe_globals()
 
 __all__ = [
     "CommDebugMode",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from hyper_parallel.dtensor import _checkpointable
 from hyper_parallel.dtensor._autograd import FromLocal, Redistribute, ToLocal, ensure_leaf_grad_hook
 from hyper_parallel.dtensor._dispatch import dispatch
 from hyper_parallel.dtensor._rank_check import check_local_shards
@@ -105,6 +106,22 @@ class DTensor(torch.Tensor):
         return DTensor(
             local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=requires_grad
         )
+
+    # Pickling, deepcopy and DCP's checkpointable protocol live in _checkpointable.
+    def __reduce_ex__(self, proto: Any) -> Any:  # type: ignore[override]
+        return _checkpointable.reduce_dtensor(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:  # type: ignore[override]
+        return _checkpointable.deepcopy_dtensor(self, memo)
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        return _checkpointable.create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return _checkpointable.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return _checkpointable.get_tensor_shard(self, index)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (

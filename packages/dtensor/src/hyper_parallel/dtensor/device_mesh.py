@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
 
+from hyper_parallel.dtensor import _checkpointable
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class DeviceMesh:
         if duplicates:
             raise ValueError(f"DeviceMesh: each rank may appear once; repeated ranks {duplicates}")
         self._setup(device_type, ranks, names, platform.get_rank(), groups=None)
+        _checkpointable.remember_mesh(self)
 
     def _setup(
         self,
@@ -116,7 +118,13 @@ class DeviceMesh:
         self._shape = tuple(int(s) for s in ranks.shape)
         self.ndim = len(self._shape)
         self._groups = dict(groups) if groups is not None else self._create_groups()
-        self._value_key = (device_type, self._shape, tuple(ranks.flatten().tolist()), names)
+        self._sub_meshes: dict[tuple[str, ...], DeviceMesh] = {}
+        self._value_key: _checkpointable.MeshKey = (
+            device_type,
+            self._shape,
+            tuple(ranks.flatten().tolist()),
+            names,
+        )
         self._value_hash = hash(self._value_key)
 
     def _create_groups(self) -> dict[int, ProcessGroup]:
@@ -224,7 +232,14 @@ class DeviceMesh:
         """
         index = self._axis_or_only(axis, "get_group")
         self._require_coordinate("get_group")
-        return self._groups[index]
+        group = self._groups.get(index)
+        if group is None:
+            raise RuntimeError(
+                f"DeviceMesh.get_group: {self} was unpickled in a process holding no mesh of "
+                "that value, so it has no process groups; build the mesh (init_device_mesh / "
+                "DeviceMesh with the same ranks and names) before loading"
+            )
+        return group
 
     # -- sub-meshes ----------------------------------------------------------------
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
@@ -251,6 +266,9 @@ class DeviceMesh:
             )
         if len(set(wanted)) != len(wanted):
             raise ValueError(f"DeviceMesh: slicing names an axis twice: {wanted}")
+        cached = self._sub_meshes.get(wanted)
+        if cached is not None:
+            return cached
         coordinate = self._require_coordinate(f"mesh[{names!r}]")
         kept = [self.mesh_dim_names.index(name) for name in wanted]
         index = tuple(
@@ -262,6 +280,9 @@ class DeviceMesh:
         sub = DeviceMesh.__new__(DeviceMesh)
         groups = {position: self._groups[axis] for position, axis in enumerate(kept)}
         sub._setup(self.device_type, sub_ranks, wanted, self._rank, groups)
+        # Held by the parent, so a pickled DTensor of a sub-mesh finds it while the parent lives.
+        self._sub_meshes[wanted] = sub
+        _checkpointable.remember_mesh(sub)
         return sub
 
     # -- context manager -------------------------------------------------------------
@@ -291,6 +312,10 @@ class DeviceMesh:
 
     def __copy__(self) -> DeviceMesh:
         return self
+
+    def __reduce__(self) -> tuple[Callable[..., DeviceMesh], tuple[object, ...]]:
+        # Pickled by value; reattached to this process's mesh of that value (see _checkpointable).
+        return _checkpointable.reduce_mesh(self)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
