@@ -1,0 +1,40 @@
+"""Checkpoints of parallelized models with ``torch.distributed.checkpoint``, and Hugging Face weights.
+
+Example::
+
+    from hyper_parallel.dmodule.checkpoint import ModelState, TrainingState, load, save
+
+    state = {"app": ModelState(model, optimizer), "train": TrainingState()}
+    save(state, "ckpt", step=10)          # ckpt/step-10, committed once every rank is done
+    step = load(state, "ckpt")            # the latest step, resharded onto this model's mesh
+"""
+
+from hyper_parallel.dmodule.checkpoint.state_dict import (
+    ModelState,
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from hyper_parallel.dmodule.checkpoint.store import (
+    CheckpointMismatchError,
+    PendingSave,
+    latest_step,
+    load,
+    save,
+    step_path,
+)
+from hyper_parallel.dmodule.checkpoint.training_state import TrainingState
+
+__all__ = [
+    "CheckpointMismatchError",
+    "ModelState",
+    "PendingSave",
+    "StateDictOptions",
+    "TrainingState",
+    "get_state_dict",
+    "latest_step",
+    "load",
+    "save",
+    "set_state_dict",
+    "step_path",
+]

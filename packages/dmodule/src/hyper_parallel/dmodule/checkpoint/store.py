@@ -1,0 +1,255 @@
+"""Checkpoints on disk: DCP directories committed atomically, checked before they are loaded.
+
+``directory/step-<N>`` is a ``torch.distributed.checkpoint`` directory. It is
+written as ``directory/.step-<N>.partial`` and renamed by rank 0 once every rank
+has finished writing (DCP's save ends with a collective after the metadata is
+written), so a crash during a save leaves the previous checkpoint the latest
+loadable one. Loading first compares the checkpoint's metadata with the state to
+fill and names every missing, unexpected and mis-shaped key before anything is
+modified.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
+
+from hyper_parallel.dmodule.checkpoint.training_state import TrainingState
+from hyper_parallel.platform import get_platform
+
+__all__ = ["CheckpointMismatchError", "PendingSave", "latest_step", "load", "save", "step_path"]
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the state it was asked to fill; nothing was modified.
+
+    ``missing``: keys of the state absent from the checkpoint; ``unexpected``: keys of
+    the checkpoint the state does not have; ``mis_shaped``: ``{key: (saved, expected)}``.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        missing: list[str],
+        unexpected: list[str],
+        mis_shaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
+        self.missing, self.unexpected, self.mis_shaped = missing, unexpected, mis_shaped
+        parts = []
+        if missing:
+            parts.append(f"missing keys (in the model, not in the checkpoint): {_listed(missing)}")
+        if unexpected:
+            parts.append(
+                f"unexpected keys (in the checkpoint, not in the model): {_listed(unexpected)}"
+            )
+        if mis_shaped:
+            shapes = [f"{k}: saved {s}, expected {e}" for k, (s, e) in mis_shaped.items()]
+            parts.append(f"mis-shaped keys: {_listed(shapes)}")
+        super().__init__(
+            f"checkpoint {path} does not fit the state to load (nothing was modified); "
+            + "; ".join(parts)
+        )
+
+
+def _listed(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items)} in all)"
+
+
+def step_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """The directory of the committed checkpoint of ``step``.
+
+    Example::
+
+        >>> step_path("ckpt", 10)
+        PosixPath('ckpt/step-10')
+    """
+    return Path(directory) / f"step-{step}"
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The highest step with a committed checkpoint in ``directory`` (None if there is none).
+
+    Partial (uncommitted) saves are ignored.
+
+    Example::
+
+        >>> latest_step("/nonexistent") is None
+        True
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    steps = [
+        int(m.group(1))
+        for entry in root.iterdir()
+        if (m := _STEP.fullmatch(entry.name)) and (entry / ".metadata").is_file()
+    ]
+    return max(steps, default=None)
+
+
+class PendingSave:
+    """An asynchronous save in flight; :meth:`wait` (collective) commits it.
+
+    Example::
+
+        pending = save(state, "ckpt", step=10, async_save=True)
+        ...  # train on
+        pending.wait()
+    """
+
+    def __init__(self, future: Future[Any], partial: Path, final: Path) -> None:
+        self._future, self._partial, self.path = future, partial, final
+        self._done = False
+
+    def wait(self) -> Path:
+        """Wait for every rank's write, commit the checkpoint, and return its directory."""
+        if not self._done:
+            self._future.result()
+            _commit(self._partial, self.path)
+            self._done = True
+        return self.path
+
+
+def save(
+    state: dict[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    async_save: bool = False,
+) -> Path | PendingSave:
+    """Save ``state`` (values: ``Stateful``s, state dicts, tensors) as ``directory/step-<step>``.
+
+    Collective: every rank calls it. Each rank writes its shards; replicated values
+    are written once. Committed atomically (see the module docstring); an existing
+    checkpoint of the same step is replaced only once the new one is complete. With
+    ``async_save=True`` the state is staged and written in the background
+    (``dcp.async_save``); the returned :class:`PendingSave` commits on ``wait()``.
+
+    Example::
+
+        save({"app": ModelState(model, optimizer), "train": train}, "ckpt", step=train.step)
+    """
+    final = step_path(directory, step)
+    partial = final.with_name(f".step-{step}.partial")
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crashed save
+        partial.mkdir(parents=True)
+    _barrier()
+    if async_save:
+        future = dcp_async_save(state, checkpoint_id=str(partial))
+        return PendingSave(future, partial, final)  # type: ignore[arg-type]
+    dcp_save(state, checkpoint_id=str(partial))
+    _commit(partial, final)
+    return final
+
+
+def load(
+    state: dict[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+) -> int:
+    """Load the checkpoint of ``step`` (default: the latest committed one) into ``state``.
+
+    Collective. Tensors are filled in place, resharded onto their current layout
+    (another mesh, another tp size, or plain tensors); ``Stateful`` values get
+    ``load_state_dict``. Raises :class:`CheckpointMismatchError` on every rank,
+    before modifying anything, when the checkpoint does not fit ``state``. Returns
+    the step loaded.
+
+    Example::
+
+        step = load({"app": ModelState(model, optimizer), "train": train}, "ckpt")
+    """
+    if step is None:
+        step = latest_step(directory)
+        if step is None:
+            raise FileNotFoundError(f"load: no committed checkpoint (step-<N>) in {directory}")
+    path = step_path(directory, step)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"load: {path} is not a committed checkpoint (no .metadata)")
+    metadata = FileSystemReader(str(path)).read_metadata()
+    for key, value in state.items():
+        if isinstance(value, TrainingState):
+            own = _rank()
+            saved = f"{key}.rng.rank{own}.torch" in metadata.state_dict_metadata
+            value.rng_source_rank = own if saved else 0
+    problem = _mismatch(state, metadata, path)
+    if _any_rank(problem is not None) and problem is None:
+        raise ValueError(f"load: checkpoint {path} does not fit on another rank (see its error)")
+    if problem is not None:
+        raise problem
+    dcp_load(state, checkpoint_id=str(path))
+    return step
+
+
+def _mismatch(
+    state: dict[str, Any], metadata: Metadata, path: Path
+) -> CheckpointMismatchError | None:
+    """What DCP would miss or mis-shape when loading ``metadata`` into ``state``."""
+    resolved = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(resolved, metadata)
+    flat: dict[str, Any] = planner.state_dict
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    # Per-rank RNG states of other ranks are expected to be left unread.
+    checked = {k for k, v in state.items() if not isinstance(v, TrainingState)}
+    unexpected = sorted(k for k in saved if k not in flat and k.split(".", 1)[0] in checked)
+    mis_shaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for key, value in flat.items():
+        md = saved.get(key)
+        if (
+            isinstance(md, TensorStorageMetadata)
+            and isinstance(value, torch.Tensor)
+            and tuple(md.size) != tuple(value.shape)
+        ):
+            mis_shaped[key] = (tuple(md.size), tuple(value.shape))
+    if missing or unexpected or mis_shaped:
+        return CheckpointMismatchError(path, missing, unexpected, mis_shaped)
+    return None
+
+
+def _commit(partial: Path, final: Path) -> None:
+    """Rank 0 renames the finished ``partial`` to ``final``; every rank then sees it."""
+    if _rank() == 0:
+        previous = final.with_name(f".{final.name}.replaced")
+        if final.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+            final.rename(previous)
+        partial.rename(final)
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier()
+
+
+def _rank() -> int:
+    platform = get_platform()
+    return platform.get_rank() if platform.is_initialized() else 0
+
+
+def _any_rank(flag: bool) -> bool:
+    platform = get_platform()
+    if not platform.is_initialized():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    return bool(platform.all_reduce(value, None, "max").item())
+
+
+def _barrier() -> None:
+    _any_rank(False)
