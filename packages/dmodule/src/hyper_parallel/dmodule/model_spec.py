@@ -5,16 +5,18 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter
 
 __all__ = [
     "ModelRegistry",
     "ModelSpec",
+    "StateDictAdapter",
     "UnknownModelError",
     "get_spec",
     "register_spec",
+    "spec_for_config",
     "unregister_spec",
 ]
 
@@ -33,6 +35,22 @@ class UnknownModelError(LookupError, ValueError):
         >>> issubclass(UnknownModelError, ValueError), issubclass(UnknownModelError, LookupError)
         (True, True)
     """
+
+
+class StateDictAdapter(Protocol):
+    """What ``ModelSpec.state_dict_adapter(config)`` builds: our keys to Hugging Face's and back.
+
+    ``to_hf``/``from_hf`` map dicts whose values pass through unchanged (so that
+    ``load_hf`` can read each rank's slice of each tensor on its own).
+    """
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Our FQNs to Hugging Face keys."""
+        ...
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Hugging Face keys to our FQNs."""
+        ...
 
 
 @dataclass
@@ -173,6 +191,14 @@ class ModelRegistry:
         """Registered names, sorted."""
         return sorted(self._specs)
 
+    def find(self, config: object) -> ModelSpec | None:
+        """The spec whose ``model`` or flavors are of ``config``'s class (None when none is)."""
+        for spec in self._specs.values():
+            configs = [*spec.flavors.values(), *([spec.model] if spec.model is not None else [])]
+            if any(type(c) is type(config) for c in configs):
+                return spec
+        return None
+
 
 _default_registry = ModelRegistry()
 
@@ -210,6 +236,18 @@ def get_spec(name: str) -> ModelSpec:
         LookupError: get_spec: no model named 'no-such-model' Known: []
     """
     return _default_registry.get(name)
+
+
+def spec_for_config(config: object) -> ModelSpec | None:
+    """The registered spec whose model config or flavors are of ``config``'s class, if any.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> spec_for_config(Llama.Config()).name
+        'llama-ref'
+    """
+    return _default_registry.find(config)
 
 
 def unregister_spec(name: str) -> None:

@@ -9,6 +9,7 @@ Example::
     step = load(state, "ckpt")            # the latest step, resharded onto this model's mesh
 """
 
+from hyper_parallel.dmodule.checkpoint.hf import load_hf, save_hf
 from hyper_parallel.dmodule.checkpoint.state_dict import (
     ModelState,
     StateDictOptions,
@@ -34,7 +35,9 @@ __all__ = [
     "get_state_dict",
     "latest_step",
     "load",
+    "load_hf",
     "save",
+    "save_hf",
     "set_state_dict",
     "step_path",
 ]

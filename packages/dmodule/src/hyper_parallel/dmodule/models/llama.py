@@ -6,6 +6,7 @@ Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelS
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from hyper_parallel.dmodule.layers import (
     cross_entropy,
 )
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
 
@@ -113,6 +115,17 @@ class Llama(BaseModel):
                     f"{self.dim} / {self.n_heads} = {self.dim // self.n_heads}",
                     path="dim",
                 )
+
+        @classmethod
+        def from_hf(cls, directory: str | os.PathLike[str]) -> Llama.Config:
+            """The Config of a transformers Llama checkpoint directory (its ``config.json``).
+
+            Example::
+
+                >>> Llama.Config.from_hf("path/to/Llama-3.2-1B").n_layers  # doctest: +SKIP
+                16
+            """
+            return llama_config_from_hf(cls, directory)
 
         def block(self) -> TransformerBlock.Config:
             """The Config of every block.
@@ -249,6 +262,7 @@ LLAMA_SPEC = ModelSpec(
     model=Llama.Config(),
     parallelize_fn=parallelize_llama,
     flavors=_flavors(),
+    state_dict_adapter=LlamaStateDictAdapter,
     description="Reference Llama-style decoder (GQA, RoPE, SwiGLU), tensor parallel over 'tp'.",
 )
 register_spec(LLAMA_SPEC)

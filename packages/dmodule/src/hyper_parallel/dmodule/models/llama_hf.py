@@ -1,0 +1,160 @@
+"""The reference Llama and Hugging Face's ``LlamaForCausalLM``: config fields and state-dict keys.
+
+llama-ref computes what ``transformers.LlamaForCausalLM`` computes (RMSNorm in
+float32, rotate-half RoPE, SwiGLU, causal GQA with ``head_dim ** -0.5`` scaling),
+so the map between them renames keys and leaves values as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hyper_parallel.dmodule.models.llama import Llama
+
+__all__ = ["LlamaStateDictAdapter", "llama_config_from_hf", "llama_config_to_hf"]
+
+# (our FQN pattern, Hugging Face key pattern); {i} is a layer index
+_KEYS = (
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile(re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+_TO_HF = [(_compile(ours), theirs) for ours, theirs in _KEYS]
+_FROM_HF = [(_compile(theirs), ours) for ours, theirs in _KEYS]
+
+
+def _rename(key: str, table: list[tuple[re.Pattern[str], str]], where: str) -> str:
+    for pattern, target in table:
+        match = pattern.match(key)
+        if match:
+            return target.replace("{i}", match.groupdict().get("i") or "")
+    raise KeyError(f"{where}: no Hugging Face Llama counterpart for key {key!r}")
+
+
+class LlamaStateDictAdapter:
+    """llama-ref FQNs ⇄ ``LlamaForCausalLM`` keys; values pass through unchanged.
+
+    Example::
+
+        >>> adapter = LlamaStateDictAdapter(Llama.Config())
+        >>> list(adapter.to_hf({"layers.0.attention.wq.weight": 1}))
+        ['model.layers.0.self_attn.q_proj.weight']
+    """
+
+    def __init__(self, config: Llama.Config) -> None:
+        self.config = config
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {_rename(k, _TO_HF, "LlamaStateDictAdapter.to_hf"): v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {
+            _rename(k, _FROM_HF, "LlamaStateDictAdapter.from_hf"): v
+            for k, v in hf_state_dict.items()
+        }
+
+
+def _read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory)
+    path = path / "config.json" if path.is_dir() else path
+    with open(path) as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def llama_config_from_hf(
+    cls: type[Llama.Config], directory: str | os.PathLike[str]
+) -> Llama.Config:
+    """``Llama.Config.from_hf``: a Config from a transformers Llama ``config.json``.
+
+    Fields llama-ref does not implement (biases, another activation, RoPE scaling,
+    a head_dim other than dim / n_heads) raise rather than being silently dropped.
+    """
+    hf = _read_config(directory)
+    where = f"Llama.Config.from_hf({os.fspath(directory)!r})"
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"{where}: expected model_type 'llama', found {hf.get('model_type')!r}")
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", scaling.get("rope_type", "default"))
+    problems = {
+        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (hf.get("attention_bias", False), False),
+        "mlp_bias": (hf.get("mlp_bias", False), False),
+        "rope_type": (rope_type, "default"),
+    }
+    dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or dim // n_heads
+    problems["head_dim"] = (head_dim, dim // n_heads)
+    bad = [
+        f"{k}={found!r} (supported: {want!r})"
+        for k, (found, want) in problems.items()
+        if found != want
+    ]
+    if bad:
+        raise ValueError(f"{where}: llama-ref does not implement {', '.join(bad)}")
+    return cls(
+        vocab_size=int(hf["vocab_size"]),
+        dim=dim,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        ffn_dim=int(hf["intermediate_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+    )
+
+
+def llama_config_to_hf(config: Llama.Config) -> dict[str, Any]:
+    """The ``config.json`` of ``LlamaForCausalLM`` computing what ``config`` does.
+
+    Example::
+
+        >>> llama_config_to_hf(Llama.Config(dim=32))["hidden_size"]
+        32
+    """
+    if not config.use_rope:
+        raise ValueError(
+            "llama_config_to_hf: LlamaForCausalLM always applies RoPE (use_rope=False)"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads or config.n_heads,
+        "head_dim": config.dim // config.n_heads,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
