@@ -8,6 +8,7 @@ one loadable), an incompatible model is named before anything is modified, and
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,19 @@ def _reference_run(directory: str, dp: int, tp: int, async_save: bool) -> dict[s
     torch.manual_seed(11)
     train(mesh, model, opt, state, K)
     rng_at_save = torch.get_rng_state()
+    random.seed(5)
+    python_rng = random.getstate()
+    state.extra["note"] = [1.5, "k steps"]
     saved = save(app_state(model, opt, state), directory, step=state.step, async_save=async_save)
     if isinstance(saved, PendingSave):
         saved.wait()
     losses = train(mesh, model, opt, state, N)
-    return {"rng": rng_at_save, "losses": losses, "params": full_params(model)}
+    return {
+        "rng": rng_at_save,
+        "python_rng": python_rng,
+        "losses": losses,
+        "params": full_params(model),
+    }
 
 
 def _resumed_run(directory: str, dp: int, tp: int) -> dict[str, Any]:
@@ -48,8 +57,14 @@ def _resumed_run(directory: str, dp: int, tp: int) -> dict[str, Any]:
     mesh, model, opt = build(dp, tp, seed=1)
     state = TrainingState()
     torch.manual_seed(99)  # another RNG state: the load must restore the saved one
+    random.seed(98)
     step = load(app_state(model, opt, state), directory)
-    restored = {"step": (step, state.step, state.data_position), "rng": torch.get_rng_state()}
+    restored = {
+        "step": (step, state.step, state.data_position),
+        "rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "extra": state.extra,
+    }
     losses = train(mesh, model, opt, state, N)
     return {**restored, "losses": losses, "params": full_params(model)}
 
@@ -60,7 +75,9 @@ def test_resume_on_the_same_mesh_is_bitwise(tmp_path: Path, async_save: bool) ->
     resumed = run_on_ranks(_resumed_run, 2, str(tmp_path), 1, 2)
     for want, got in zip(ref, resumed, strict=True):
         assert got["step"] == (K, K, K)
+        assert got["extra"] == {"note": [1.5, "k steps"]}
         assert torch.equal(got["rng"], want["rng"])
+        assert got["python_rng"] == want["python_rng"]
         assert got["losses"] == want["losses"]
         for key, value in want["params"].items():
             assert torch.equal(got["params"][key], value), key

@@ -59,3 +59,26 @@ def test_demo_rejects_bad_options_before_starting_ranks() -> None:
     assert "--batch-size 8 must divide by --dp 3" in done.stderr
     done = _demo(["--model.dimm=3"])
     assert done.returncode == 2
+
+
+def test_demo_resumes_from_a_checkpoint_on_another_mesh_and_keeps_parity(tmp_path: Path) -> None:
+    ckpt, plot = tmp_path / "ckpt", tmp_path / "resumed.png"
+    common = ["--seq-len", "8", "--checkpoint-dir", str(ckpt), *TINY]
+    first = _demo(["--tp", "2", "--steps", "2", "--checkpoint-every", "1", *common])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (ckpt / "step-1").is_dir() and (ckpt / "step-2").is_dir()
+    resumed = _demo(
+        ["--tp", "1", "--dp", "2", "--steps", "3", "--resume", "--plot", str(plot), *common]
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    out = resumed.stdout
+    assert "resumed from" in out and "step-2" in out and "onto tp=1 dp=2" in out
+    assert "resumed at step 3" in out and "PASS" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (ckpt / "step-3").is_dir()
+
+
+def test_demo_resume_without_a_checkpoint_is_refused_before_starting_ranks(tmp_path: Path) -> None:
+    done = _demo(["--resume", "--checkpoint-dir", str(tmp_path)])
+    assert done.returncode == 2
+    assert "no committed checkpoint" in done.stderr

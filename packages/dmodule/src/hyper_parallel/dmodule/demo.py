@@ -23,6 +23,14 @@ from pathlib import Path
 import torch
 
 from hyper_parallel.config import ConfigError, Configurable, parse_cli_overrides
+from hyper_parallel.dmodule.checkpoint import (
+    ModelState,
+    TrainingState,
+    latest_step,
+    load,
+    save,
+    step_path,
+)
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
 from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives, init_device_mesh
@@ -60,16 +68,25 @@ class Options:
     lr: float
     seed: int
     device: str
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
 
 
 @dataclass
 class RankReport:
-    """What rank 0 sends back: losses (dp-averaged), plan, collectives, timings."""
+    """What rank 0 sends back: losses (dp-averaged), plan, collectives, timings.
+
+    After ``--resume``, ``losses`` start at ``first_step``; ``history`` holds the
+    losses of the steps before it (saved in the checkpoint by the earlier run).
+    """
 
     losses: list[float]
     plan: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...]]]
     collectives: dict[str, tuple[int, int]]
     step_seconds: list[float]
+    first_step: int = 1
+    history: list[float] = field(default_factory=list)
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -96,6 +113,20 @@ def parse_args(argv: Sequence[str]) -> Options:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
     parser.add_argument("--plot", default="out/loss_curve.png", help="loss-curve PNG path")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="save DCP checkpoints here (DIR/step-N)"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="save every N steps (and after the last); 0: only after the last",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (any --tp/--dp)",
+    )
     try:
         overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
     except ConfigError as error:  # e.g. `--model.dim` as the last argument: a usage error
@@ -114,6 +145,18 @@ def parse_args(argv: Sequence[str]) -> Options:
         problems.append(f"--batch-size {args.batch_size} must divide by --dp {args.dp}")
     if args.seq_len > model.max_seq_len:
         problems.append(f"--seq-len {args.seq_len} exceeds --model.max_seq_len {model.max_seq_len}")
+    if args.checkpoint_every < 0:
+        problems.append(f"--checkpoint-every must be >= 0 (found {args.checkpoint_every})")
+    if args.resume:
+        found = None if args.checkpoint_dir is None else latest_step(args.checkpoint_dir)
+        if args.checkpoint_dir is None:
+            problems.append("--resume needs --checkpoint-dir")
+        elif found is None:
+            problems.append(f"--resume: no committed checkpoint (step-N) in {args.checkpoint_dir}")
+        elif found >= args.steps:
+            problems.append(
+                f"--resume: the latest checkpoint is step {found}; --steps {args.steps}"
+            )
     if problems:
         parser.error("; ".join(problems))
     _PLOT_PATH[0] = args.plot
@@ -128,6 +171,9 @@ def parse_args(argv: Sequence[str]) -> Options:
         args.lr,
         args.seed,
         args.device,
+        args.checkpoint_dir,
+        args.checkpoint_every,
+        args.resume,
     )
 
 
@@ -169,12 +215,25 @@ def train_rank(options: Options) -> RankReport | None:
         warnings.simplefilter("ignore", FallbackWarning)
         model.init_weights(buffer_device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, foreach=False)
+    train = TrainingState(device=device)
+    app = {"app": ModelState(model, optimizer), "train": train}
+    if options.resume:
+        assert options.checkpoint_dir is not None  # parse_args checked
+        loaded = load(app, options.checkpoint_dir)  # resharded onto this run's mesh
+        if rank == 0:
+            print(
+                f"  [rank 0] resumed from {step_path(options.checkpoint_dir, loaded)} "
+                f"onto tp={options.tp} dp={options.dp}",
+                flush=True,
+            )
+    history: list[float] = list(train.extra.get("losses", []))
+    first_step = train.step + 1
     dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
     losses: list[float] = []
     seconds: list[float] = []
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
-    for step in range(1, options.steps + 1):
+    for step in range(first_step, options.steps + 1):
         start = time.perf_counter()
         tokens, targets = synthetic_batch(
             step,
@@ -185,7 +244,7 @@ def train_rank(options: Options) -> RankReport | None:
         )
         rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
         step_counts: Counter[str] = Counter()
-        with count_collectives(step_counts, nbytes if step == 1 else Counter()):
+        with count_collectives(step_counts, nbytes if step == first_step else Counter()):
             loss = model.loss(tokens[rows].to(device), targets[rows].to(device))
             loss.backward()
             average_gradients(model, mesh, "dp")
@@ -194,7 +253,7 @@ def train_rank(options: Options) -> RankReport | None:
         reported = collectives.all_reduce(loss.detach(), mesh, "dp", "avg")
         seconds.append(time.perf_counter() - start)
         losses.append(float(reported.item()))
-        if step == 1:
+        if step == first_step:
             counts = step_counts
         if rank == 0:
             print(
@@ -202,10 +261,22 @@ def train_rank(options: Options) -> RankReport | None:
                 f"{seconds[-1] * 1000:7.1f} ms",
                 flush=True,
             )
+        train.step = train.data_position = step  # the data of step s is synthetic_batch(s)
+        every = options.checkpoint_every
+        if options.checkpoint_dir and (step == options.steps or (every and step % every == 0)):
+            train.extra["losses"] = history + losses
+            path = save(app, options.checkpoint_dir, step=step)
+            if rank == 0:
+                print(f"  [rank 0] checkpoint {path}", flush=True)
     if rank != 0:
         return None
     return RankReport(
-        losses, sharding_plan(model), {k: (counts[k], nbytes[k]) for k in counts}, seconds
+        losses,
+        sharding_plan(model),
+        {k: (counts[k], nbytes[k]) for k in counts},
+        seconds,
+        first_step,
+        history,
     )
 
 
@@ -272,13 +343,22 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
     if not result.collectives:
         print("  none")
     print("\nloss: parallel vs single process (same seed, same data)")
+    if result.first_step > 1:
+        print(f"  (resumed at step {result.first_step}; earlier steps ran before the checkpoint)")
     print(f"  {'step':>4}  {'parallel':>10}  {'single':>10}  {'|delta|':>9}")
     worst, worst_rel = 0.0, 0.0
-    for step, (par, ref) in enumerate(zip(result.losses, reference, strict=True), start=1):
+    compared = zip(result.losses, reference[result.first_step - 1 :], strict=True)
+    for step, (par, ref) in enumerate(compared, start=result.first_step):
         delta = abs(par - ref)
         worst, worst_rel = max(worst, delta), max(worst_rel, delta / max(abs(ref), 1e-12))
         print(f"  {step:>4}  {par:10.6f}  {ref:10.6f}  {delta:9.2e}")
-    plot = write_plot(Path(_PLOT_PATH[0]), result.losses, reference, options)
+    plot = write_plot(
+        Path(_PLOT_PATH[0]),
+        result.history + result.losses,
+        reference,
+        options,
+        resumed_at=result.first_step if result.first_step > 1 else None,
+    )
     ok = worst_rel <= RELATIVE_TOLERANCE
     median_ms = sorted(result.step_seconds)[len(result.step_seconds) // 2] * 1000
     print(
@@ -289,8 +369,18 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
     return 0 if ok else 1
 
 
-def write_plot(path: Path, parallel: list[float], reference: list[float], options: Options) -> Path:
-    """Write the loss curves (parallel and single process) as a PNG (matplotlib, Agg)."""
+def write_plot(
+    path: Path,
+    parallel: list[float],
+    reference: list[float],
+    options: Options,
+    *,
+    resumed_at: int | None = None,
+) -> Path:
+    """Write the loss curves (parallel and single process) as a PNG (matplotlib, Agg).
+
+    ``resumed_at``: the first step of a resumed run, marked by a vertical line.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,9 +388,16 @@ def write_plot(path: Path, parallel: list[float], reference: list[float], option
 
     path.parent.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
-    steps = range(1, len(parallel) + 1)
-    axes.plot(steps, reference, label="single process", linewidth=3, alpha=0.5)
-    axes.plot(steps, parallel, label=f"tp={options.tp} dp={options.dp}", linestyle="--")
+    first = len(reference) - len(parallel) + 1  # a resumed run without history starts later
+    axes.plot(
+        range(1, len(reference) + 1), reference, label="single process", linewidth=3, alpha=0.5
+    )
+    label = f"tp={options.tp} dp={options.dp}" + (" (resumed)" if resumed_at else "")
+    axes.plot(range(first, len(reference) + 1), parallel, label=label, linestyle="--")
+    if resumed_at is not None:
+        axes.axvline(
+            resumed_at - 0.5, color="gray", linestyle=":", label=f"resume (step {resumed_at})"
+        )
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy loss")
     axes.set_title("llama-ref: tensor parallel vs single process")

@@ -21,7 +21,8 @@ class TrainingState(Stateful):
     rank 0's when the checkpoint was written by fewer ranks (hp's random ops keep
     the generator in step on every rank, so rank 0's is every rank's then).
     ``data_position`` is whatever the data pipeline needs to continue (here: the
-    number of batches consumed).
+    number of batches consumed); ``extra`` holds any other picklable values of the
+    loop (the demo keeps its loss history there).
 
     Example::
 
@@ -33,6 +34,7 @@ class TrainingState(Stateful):
     def __init__(self, *, device: torch.device | None = None) -> None:
         self.step = 0
         self.data_position = 0
+        self.extra: dict[str, Any] = {}
         self.device = device or torch.device("cpu")
         #: The rank whose RNG states :meth:`load_state_dict` takes (set by ``load``).
         self.rng_source_rank: int | None = None
@@ -55,12 +57,15 @@ class TrainingState(Stateful):
         return {
             "step": self.step,
             "data_position": self.data_position,
+            # a tuple is one DCP leaf (a dict would be split into keys the loader must know)
+            "extra": tuple(self.extra.items()),
             "rng": {f"rank{source}": self._rng()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.data_position = int(state_dict["data_position"])
+        self.extra = dict(state_dict.get("extra", ()))
         (states,) = state_dict["rng"].values()
         torch.set_rng_state(states["torch"])
         random.setstate(states["python"])
