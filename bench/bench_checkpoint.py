@@ -4,15 +4,18 @@ Run: uv run python bench/bench_checkpoint.py [--tp 2] [--layers 16] [--reps 3] [
 
 The model is the bench Llama of ``bench_init_memory.py`` (16 layers: 197 M parameters,
 788 MB fp32) parallelized by hp-dmodule at tp=2. The baseline holds *the same shards*
-as torch DTensors (``torch.distributed.tensor.DTensor.from_local`` of every local
-shard, same placements, on a torch mesh over the same ranks), so both sides write
+as torch DTensors (``torch.distributed.tensor.DTensor.from_local`` of a copy of every
+local shard, same placements, on a torch mesh over the same ranks; ours are hp
+DTensors made the same way), so both sides write
 and read identical bytes through the same ``torch.distributed.checkpoint`` engine
-and only the DTensor classes differ. Each (implementation, repetition) runs on
-fresh rank processes, ours and torch's alternating; a rank times ``dcp.save`` into
-an empty directory, then ``dcp.load`` into zeroed tensors of the same layout.
-Memory: peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``) above the
-baseline taken once the state exists, the max over ranks. Reported: medians over
-repetitions and ours / torch.
+and only the DTensor classes differ.
+
+Timing: both states live in the same rank processes; each repetition times
+``dcp.save`` into an empty directory, then ``dcp.load`` into zeroed shards, ours and
+torch's alternating (the slowest rank counts; the median over repetitions is
+reported). Memory, on fresh rank processes per side: peak RSS (``VmHWM``, reset
+through ``/proc/self/clear_refs``) above the baseline taken once the state exists,
+the max over ranks. Reported: ours / torch.
 
 ``load_hf``: a consolidated safetensors directory of the same model (written once by
 ``save_hf``) is loaded into a meta-built, parallelized, ``to_empty`` model; the
@@ -68,50 +71,72 @@ def _torch_placement(p: Placement) -> tdt.Shard | tdt.Replicate:
 
 
 def _state(impl: str, tp: int, layers: int) -> dict[str, Any]:
-    """The model's state dict, as hp DTensors or as torch DTensors holding the same shards."""
+    """The model's shards as a state dict of fresh hp DTensors or torch DTensors.
+
+    Both sides copy every shard out of the model and drop the model, so the
+    allocator has the same history (freed blocks it may reuse) before the timing.
+    """
     model = _ours(tp, layers)
-    state: dict[str, Any] = dict(model.state_dict())
-    if impl == "torch":
-        mesh = torch_init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        converted = {}
-        for key, value in state.items():
-            assert isinstance(value, DTensor)
+    torch_mesh = torch_init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    state: dict[str, Any] = {}
+    for key, value in model.state_dict().items():
+        assert isinstance(value, DTensor)
+        local = value.to_local().detach().clone()
+        placements: list[Any] = list(value.placements)
+        mesh: Any = value.device_mesh
+        make: Any = DTensor.from_local
+        if impl == "torch":
             placements = [_torch_placement(p) for p in value.placements]
-            converted[key] = tdt.DTensor.from_local(
-                value.to_local().detach().clone(),
-                mesh,
-                placements,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        state = converted
+            mesh, make = torch_mesh, tdt.DTensor.from_local
+        state[key] = make(local, mesh, placements, shape=value.shape, stride=value.stride())
     del model
     gc.collect()
     return state
 
 
-def save_then_load(impl: str, tp: int, layers: int, directory: str) -> dict[str, float]:
-    """In one rank: seconds and peak extra bytes of dcp.save, then of dcp.load."""
-    state = _state(impl, tp, layers)
-    gc.collect()
-    _reset_peak()
-    base = _peak_rss_bytes()
+def _save_load(state: dict[str, Any], directory: str) -> tuple[float, float]:
+    """Seconds of ``dcp.save`` into an empty directory, then of ``dcp.load`` into zeroed shards."""
     torch.distributed.barrier()
     start = time.perf_counter()
     dcp_save(state, checkpoint_id=directory)
     save_s = time.perf_counter() - start
-    save_peak = _peak_rss_bytes() - base
+    for value in state.values():
+        value.to_local().zero_()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    dcp_load(state, checkpoint_id=directory)
+    load_s = time.perf_counter() - start
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    return save_s, load_s
+
+
+def timings(tp: int, layers: int, reps: int, scratch: str) -> dict[str, list[tuple[float, float]]]:
+    """In one rank: both states side by side, saved and loaded alternately ``reps`` times."""
+    states = {impl: _state(impl, tp, layers) for impl in ("ours", "torch")}
+    found: dict[str, list[tuple[float, float]]] = {"ours": [], "torch": []}
+    for rep in range(reps):
+        for impl in ("ours", "torch") if rep % 2 == 0 else ("torch", "ours"):
+            found[impl].append(_save_load(states[impl], f"{scratch}/{impl}-{rep}"))
+    return found
+
+
+def peak_memory(impl: str, tp: int, layers: int, directory: str) -> tuple[int, int]:
+    """In fresh rank processes: peak bytes above the state of dcp.save, then of dcp.load."""
+    state = _state(impl, tp, layers)
+    gc.collect()
+    _reset_peak()
+    base = _peak_rss_bytes()
+    dcp_save(state, checkpoint_id=directory)
+    save_b = _peak_rss_bytes() - base
     for value in state.values():
         value.to_local().zero_()
     gc.collect()
     _reset_peak()
     base = _peak_rss_bytes()
-    torch.distributed.barrier()
-    start = time.perf_counter()
     dcp_load(state, checkpoint_id=directory)
-    load_s = time.perf_counter() - start
-    load_peak = _peak_rss_bytes() - base
-    return {"save_s": save_s, "save_b": save_peak, "load_s": load_s, "load_b": load_peak}
+    return save_b, _peak_rss_bytes() - base
 
 
 def write_hf(tp: int, layers: int, directory: str) -> None:
@@ -148,23 +173,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with torch.device("meta"):
         nparams = sum(p.numel() for p in cfg.build().parameters())
     print(f"bench Llama: {args.layers} layers, {nparams / 1e6:.0f} M parameters, tp={args.tp}")
-    runs: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
     try:
-        for rep in range(args.reps):
-            for impl in ("ours", "torch") if rep % 2 == 0 else ("torch", "ours"):
-                target = scratch / f"{impl}-{rep}"
-                per_rank = run_distributed(
-                    save_then_load,
-                    args.tp,
-                    args=(impl, args.tp, args.layers, str(target)),
-                    timeout_s=900,
-                )
-                shutil.rmtree(target, ignore_errors=True)
-                runs[impl].append({k: max(r[k] for r in per_rank) for k in per_rank[0]})
-        med = {
-            impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-            for impl, rs in runs.items()
-        }
+        per_rank = run_distributed(
+            timings, args.tp, args=(args.tp, args.layers, args.reps, str(scratch)), timeout_s=1800
+        )
+        med: dict[str, dict[str, float]] = {}
+        for impl in ("ours", "torch"):
+            # the slowest rank of each repetition, then the median over repetitions
+            saves = [max(r[impl][i][0] for r in per_rank) for i in range(args.reps)]
+            loads = [max(r[impl][i][1] for r in per_rank) for i in range(args.reps)]
+            med[impl] = {"save_s": statistics.median(saves), "load_s": statistics.median(loads)}
+            peaks = run_distributed(
+                peak_memory,
+                args.tp,
+                args=(impl, args.tp, args.layers, str(scratch / f"mem-{impl}")),
+                timeout_s=900,
+            )
+            shutil.rmtree(scratch / f"mem-{impl}", ignore_errors=True)
+            med[impl]["save_b"] = max(p[0] for p in peaks)
+            med[impl]["load_b"] = max(p[1] for p in peaks)
         print(f"{'':14}{'ours':>12}{'torch':>12}{'ours/torch':>12}")
         ratios: dict[str, float] = {}
         for key, label, scale in [

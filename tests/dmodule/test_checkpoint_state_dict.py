@@ -44,7 +44,14 @@ def _state_dicts(dp: int, tp: int, optimizer: str) -> dict[str, Any]:
         if isinstance(value, DTensor)
     }
     full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    off_m, off_o = get_state_dict(model, opt, options=offload)
+    if torch.distributed.get_rank() == 0:  # as torch: only rank 0 gets the offloaded values
+        offloaded = all(torch.equal(off_m[k], v) for k, v in full_m.items()) and bool(off_o)
+    else:
+        offloaded = off_m == {} and off_o == {}
     return {
+        "offloaded": offloaded,
         "model_keys": list(msd),
         "torch_model_keys": list(torch_msd),
         "optim_keys": sorted(_flat_optim(osd)),
@@ -83,6 +90,7 @@ def test_get_state_dict_is_fqn_keyed_sharded_like_params_and_gathers_like_one_pr
         for key, (state_layout, param_layout) in found["layouts"].items():
             assert state_layout == param_layout, key
         assert found["full_plain"]
+        assert found["offloaded"]
         for key, want in ref["model"].items():
             assert_close_to_scale(found["full_model"][key], want, rel=1e-4, what=key)
         for key, want in ref["optim"].items():
