@@ -246,6 +246,10 @@ def create_chunk_list(dt: DTensor) -> list[ChunkStorageMetadata]:
 
 
 def get_tensor_shard(dt: DTensor, index: MetadataIndex) -> torch.Tensor:
-    """``DTensor.__get_tensor_shard__``: the local tensor (DCP reads into it in place)."""
-    _local_chunk(dt, f"DCP access to {index.fqn!r}")
+    """``DTensor.__get_tensor_shard__``: the local tensor (DCP reads into it in place).
+
+    Called once per read or written chunk, so it checks only what can be wrong here.
+    """
+    if dt._spec.has_partial():
+        _local_chunk(dt, f"DCP access to {index.fqn!r}")  # raises the Partial error
     return dt._local_tensor
