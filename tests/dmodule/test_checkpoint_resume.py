@@ -81,6 +81,10 @@ def test_resume_on_the_same_mesh_is_bitwise(tmp_path: Path, async_save: bool) ->
         assert got["losses"] == want["losses"]
         for key, value in want["params"].items():
             assert torch.equal(got["params"][key], value), key
+    if not async_save:  # onto more ranks: ranks 2 and 3 saved no RNG state and take rank 0's
+        for got in run_on_ranks(_resumed_run, 4, str(tmp_path), 2, 2):
+            assert torch.equal(got["rng"], ref[0]["rng"])
+            assert got["python_rng"] == ref[0]["python_rng"]
 
 
 def test_resume_on_another_mesh_continues_the_run(tmp_path: Path) -> None:
