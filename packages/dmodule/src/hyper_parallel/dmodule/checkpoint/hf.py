@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dmodule.checkpoint.store import agree
 from hyper_parallel.dmodule.model_spec import StateDictAdapter, spec_for_config
 from hyper_parallel.dtensor import DTensor
 from hyper_parallel.platform import get_platform
@@ -218,8 +219,10 @@ def save_hf(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (root / _INDEX).write_text(json.dumps(index, indent=2))
         (root / "config.json").write_text(json.dumps(config, indent=2))
-    if platform.is_initialized():
-        platform.all_reduce(torch.zeros(1), None, "sum")  # every rank sees the finished directory
+    device_type = next(
+        (p.device_mesh.device_type for p in state.values() if isinstance(p, DTensor)), "cpu"
+    )
+    agree(False, device_type)  # every rank sees the finished directory
 
 
 def _default_config(model: torch.nn.Module) -> dict[str, Any]:

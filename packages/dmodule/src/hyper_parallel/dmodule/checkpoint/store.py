@@ -11,6 +11,7 @@ modified.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -27,7 +28,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
+from hyper_parallel.dmodule.checkpoint.state_dict import ModelState
 from hyper_parallel.dmodule.checkpoint.training_state import TrainingState
+from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives, init_device_mesh
 from hyper_parallel.platform import get_platform
 
 __all__ = ["CheckpointMismatchError", "PendingSave", "latest_step", "load", "save", "step_path"]
@@ -113,15 +116,16 @@ class PendingSave:
         pending.wait()
     """
 
-    def __init__(self, future: Future[Any], partial: Path, final: Path) -> None:
+    def __init__(self, future: Future[Any], partial: Path, final: Path, device_type: str) -> None:
         self._future, self._partial, self.path = future, partial, final
+        self._device_type = device_type
         self._done = False
 
     def wait(self) -> Path:
         """Wait for every rank's write, commit the checkpoint, and return its directory."""
         if not self._done:
             self._future.result()
-            _commit(self._partial, self.path)
+            _commit(self._partial, self.path, self._device_type)
             self._done = True
         return self.path
 
@@ -147,15 +151,16 @@ def save(
     """
     final = step_path(directory, step)
     partial = final.with_name(f".step-{step}.partial")
+    device_type = _device_type(state)
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a crashed save
         partial.mkdir(parents=True)
-    _barrier()
+    agree(False, device_type)  # no rank writes before the stale partial directory is gone
     if async_save:
         future = dcp_async_save(state, checkpoint_id=str(partial))
-        return PendingSave(future, partial, final)  # type: ignore[arg-type]
+        return PendingSave(future, partial, final, device_type)  # type: ignore[arg-type]
     dcp_save(state, checkpoint_id=str(partial))
-    _commit(partial, final)
+    _commit(partial, final, device_type)
     return final
 
 
@@ -191,7 +196,7 @@ def load(
             saved = f"{key}.rng.rank{own}.torch" in metadata.state_dict_metadata
             value.rng_source_rank = own if saved else 0
     problem = _mismatch(state, metadata, path)
-    if _any_rank(problem is not None) and problem is None:
+    if agree(problem is not None, _device_type(state)) and problem is None:
         raise ValueError(f"load: checkpoint {path} does not fit on another rank (see its error)")
     if problem is not None:
         raise problem
@@ -226,7 +231,7 @@ def _mismatch(
     return None
 
 
-def _commit(partial: Path, final: Path) -> None:
+def _commit(partial: Path, final: Path, device_type: str) -> None:
     """Rank 0 renames the finished ``partial`` to ``final``; every rank then sees it."""
     if _rank() == 0:
         previous = final.with_name(f".{final.name}.replaced")
@@ -235,7 +240,7 @@ def _commit(partial: Path, final: Path) -> None:
             final.rename(previous)
         partial.rename(final)
         shutil.rmtree(previous, ignore_errors=True)
-    _barrier()
+    agree(False, device_type)
 
 
 def _rank() -> int:
@@ -243,13 +248,35 @@ def _rank() -> int:
     return platform.get_rank() if platform.is_initialized() else 0
 
 
-def _any_rank(flag: bool) -> bool:
+def _device_type(state: dict[str, Any]) -> str:
+    """The device type of the state's DTensors (what its collectives must run on)."""
+    for value in state.values():
+        found = value.model if isinstance(value, ModelState) else value
+        if isinstance(found, torch.nn.Module):
+            found = dict(found.named_parameters())
+        if isinstance(found, dict):
+            for tensor in found.values():
+                if isinstance(tensor, DTensor):
+                    return tensor.device_mesh.device_type
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=4)
+def _world_mesh(device_type: str, world_size: int) -> DeviceMesh:
+    # Built once per process (a mesh creates process groups, collectively).
+    return init_device_mesh(device_type, (world_size,))
+
+
+def agree(flag: bool, device_type: str = "cpu") -> bool:
+    """True on every rank when ``flag`` is on any (a collective over the world; also a barrier).
+
+    Example::
+
+        if agree(problem is not None) and problem is None:
+            raise ValueError("another rank found a problem")
+    """
     platform = get_platform()
-    if not platform.is_initialized():
+    if not platform.is_initialized() or platform.get_world_size() == 1:
         return flag
-    value = torch.tensor([1.0 if flag else 0.0])
-    return bool(platform.all_reduce(value, None, "max").item())
-
-
-def _barrier() -> None:
-    _any_rank(False)
+    mesh = _world_mesh(device_type, platform.get_world_size())
+    return collectives.any_rank(flag, mesh, platform.device_for(device_type))

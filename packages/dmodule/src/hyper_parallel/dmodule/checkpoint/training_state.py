@@ -49,7 +49,8 @@ class TrainingState(Stateful):
             "python": random.getstate(),
         }
         if self.device.type != "cpu":
-            states["device"] = get_platform().get_rng_state(self.device)
+            # torch's module of the device type (torch.cuda, torch.npu): its generator state
+            states["device"] = torch.get_device_module(self.device).get_rng_state(self.device)
         return states
 
     def state_dict(self) -> dict[str, Any]:
@@ -70,5 +71,5 @@ class TrainingState(Stateful):
         torch.set_rng_state(states["torch"])
         random.setstate(states["python"])
         if "device" in states:
-            get_platform().set_rng_state(states["device"], self.device)
+            torch.get_device_module(self.device).set_rng_state(states["device"], self.device)
         self.rng_source_rank = None
