@@ -48,7 +48,8 @@ def _adapter(model: torch.nn.Module, adapter: StateDictAdapter | None) -> StateD
             f"{type(model).__name__}: no adapter given and no registered ModelSpec with a "
             f"state_dict_adapter for its config ({type(config).__name__}); pass adapter="
         )
-    return spec.state_dict_adapter(config)
+    built: StateDictAdapter = spec.state_dict_adapter(config)  # upstream: a class of the config
+    return built
 
 
 def _hf_names(model: torch.nn.Module, adapter: StateDictAdapter) -> dict[str, str]:
