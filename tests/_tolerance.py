@@ -26,6 +26,7 @@ def scaled_atol(want: torch.Tensor, rel: float) -> float:
     """
     if want.numel() == 0 or not (want.is_floating_point() or want.is_complex()):
         return 0.0
+    want = want.detach()
     finite = want[torch.isfinite(want)] if not want.is_complex() else want
     scale = float(finite.abs().max()) if finite.numel() else 0.0
     return rel * max(scale, torch.finfo(want.dtype).tiny)
