@@ -474,3 +474,63 @@ def test_loss_parallel_is_a_reentrant_context_manager() -> None:
             assert loss_parallel_active()
         assert loss_parallel_active()
     assert not loss_parallel_active()
+
+
+# -- attention on DTensors (hp only: torch has no CPU rule for the fused kernel) -------------
+
+
+class _DTensorAttention(nn.Module):
+    """Attention viewing the projections' DTensor outputs with the global head count."""
+
+    def __init__(self, dim: int = 16, n_heads: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (
+            w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
+
+
+def _dtensor_attention(world_size: int) -> dict[str, Any]:
+    mesh = hp_dt.init_device_mesh("cpu", (world_size,))
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+    model = _DTensorAttention()
+    parallelize_module(
+        model,
+        mesh,
+        {"w[qkv]": ColwiseParallel(use_local_output=False), "wo": RowwiseParallel()},
+    )
+    hp_dt.reset_fallback_counts()
+    with hp_dt.CommDebugMode() as comm:
+        y = model(x)
+        y.pow(2).sum().backward()
+    return {
+        "y": y.detach(),
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "fallbacks": hp_dt.fallback_counts(),
+        "counts": comm.counts(),
+    }
+
+
+@world_sizes(2, 4)
+def test_attention_on_dtensor_heads_needs_no_gather(world_size: int) -> None:
+    ref = _DTensorAttention()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+    want = ref(x)
+    want.pow(2).sum().backward()
+    for rank, got in enumerate(run_on_ranks(_dtensor_attention, world_size, world_size)):
+        assert got["fallbacks"] == {}, f"rank {rank}: {got['fallbacks']}"
+        # the rowwise output's all-reduce; the input gradient is not needed (x is a leaf
+        # without grad), so nothing else moves
+        assert got["counts"] == {"all_reduce": 1}, f"rank {rank}: {got['counts']}"
+        assert_close_to_scale(got["y"], want.detach(), what=f"rank {rank}: output")
+        for n, p in ref.named_parameters():
+            assert p.grad is not None
+            assert_close_to_scale(got["grads"][n], p.grad, what=f"rank {rank}: grad of {n}")
