@@ -513,7 +513,7 @@ def _dtensor_attention(world_size: int) -> dict[str, Any]:
         y.pow(2).sum().backward()
     return {
         "y": y.detach(),
-        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},  # type: ignore[union-attr]
         "fallbacks": hp_dt.fallback_counts(),
         "counts": comm.counts(),
     }
