@@ -534,3 +534,42 @@ def test_attention_on_dtensor_heads_needs_no_gather(world_size: int) -> None:
         for n, p in ref.named_parameters():
             assert p.grad is not None
             assert_close_to_scale(got["grads"][n], p.grad, what=f"rank {rank}: grad of {n}")
+
+
+# -- linears on local shards: same results, the module's own forward respected --------------
+
+
+class _DoubledLinear(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2
+
+
+def _linear_paths() -> dict[str, Any]:
+    import copy
+
+    mesh = hp_dt.init_device_mesh("cpu", (2,))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    model = nn.Sequential(_DoubledLinear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    want = model(x).detach()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    got = model(x).detach()
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in copied[2].parameters():
+            p.zero_()
+    return {
+        "want": want,
+        "got": got,
+        "subclass_forward_kept": "forward" not in vars(model[0]),
+        "copy_output": copied(x).detach(),
+        "original_after_copy": model(x).detach(),
+    }
+
+
+def test_linear_styles_keep_a_subclass_forward_and_deep_copy() -> None:
+    for rank, got in enumerate(run_on_ranks(_linear_paths, 2)):
+        assert got["subclass_forward_kept"], f"rank {rank}"
+        assert_close_to_scale(got["got"], got["want"], what=f"rank {rank}: output")
+        assert torch.equal(got["copy_output"], torch.zeros(3, 4)), f"rank {rank}: copy"
+        assert torch.equal(got["original_after_copy"], got["got"]), f"rank {rank}: original"

@@ -17,6 +17,7 @@ from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.parallel._local_linear import use_local_linear
 from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
@@ -157,13 +158,15 @@ class ColwiseParallel(ParallelStyle):
             if mod is module:
                 _shard_parameters(mod, mesh, {"*": Shard(weight_dim)}, src)
 
-        return distribute_module(
+        distribute_module(
             module,
             device_mesh,
             partition,
             lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired),
             lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
         )
+        use_local_linear(module, "colwise", outputs)
+        return module
 
     def __repr__(self) -> str:
         return (
@@ -221,13 +224,15 @@ class RowwiseParallel(ParallelStyle):
             if mod is module:
                 _shard_parameters(mod, mesh, placements, src)
 
-        return distribute_module(
+        distribute_module(
             module,
             device_mesh,
             partition,
             lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired),
             lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
         )
+        use_local_linear(module, "rowwise", outputs)
+        return module
 
     def __repr__(self) -> str:
         return (
