@@ -17,7 +17,7 @@ from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.parallel._local_linear import use_local_linear
+from hyper_parallel.dtensor.parallel._local_linear import local_linear_applies, use_local_linear
 from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
@@ -99,10 +99,20 @@ def _shard_parameters(
 
 
 def _to_dtensor_input(
-    inputs: tuple[Any, ...], mesh: DeviceMesh, input_layouts: Layouts, desired: Layouts
-) -> DTensor:
-    """The first input as a DTensor laid out as ``desired`` (a plain tensor is ``input_layouts``)."""
+    inputs: tuple[Any, ...],
+    mesh: DeviceMesh,
+    input_layouts: Layouts,
+    desired: Layouts,
+    keep_plain: bool = False,
+) -> Any:
+    """The first input as a DTensor laid out as ``desired`` (a plain tensor is ``input_layouts``).
+
+    ``keep_plain``: a plain tensor already laid out as ``desired`` stays plain (a
+    local-shard linear takes it as its shard).
+    """
     x = inputs[0]
+    if keep_plain and input_layouts == desired and not isinstance(x, DTensor):
+        return x
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, input_layouts, run_check=False)  # type: ignore[arg-type]
     if input_layouts != desired:
@@ -111,8 +121,10 @@ def _to_dtensor_input(
 
 
 def _from_dtensor_output(output: Any, output_layouts: Layouts, use_local_output: bool) -> Any:
+    if not isinstance(output, DTensor):  # a local-shard linear returned its local output
+        return output
     if output.placements != output_layouts:
-        output = output.redistribute(placements=output_layouts, async_op=True)
+        output = output.redistribute(placements=output_layouts, async_op=True)  # type: ignore[arg-type]
     return output.to_local() if use_local_output else output
 
 
@@ -165,7 +177,7 @@ class ColwiseParallel(ParallelStyle):
             lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired),
             lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
         )
-        use_local_linear(module, "colwise", outputs)
+        use_local_linear(module, "colwise", outputs, use_local)
         return module
 
     def __repr__(self) -> str:
@@ -224,14 +236,15 @@ class RowwiseParallel(ParallelStyle):
             if mod is module:
                 _shard_parameters(mod, mesh, placements, src)
 
+        local = local_linear_applies(module, "rowwise", outputs)
         distribute_module(
             module,
             device_mesh,
             partition,
-            lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired),
+            lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired, local),
             lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
         )
-        use_local_linear(module, "rowwise", outputs)
+        use_local_linear(module, "rowwise", outputs, use_local)
         return module
 
     def __repr__(self) -> str:
