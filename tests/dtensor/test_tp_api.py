@@ -605,3 +605,37 @@ def test_loss_parallel_with_weights_and_ignored_targets_equals_full_tensors(
     for rank, got in enumerate(run_on_ranks(_loss_parallel_weighted_ignored, 2, 2, reduction)):
         assert_close_to_scale(got["loss"], want.detach(), what=f"rank {rank}: loss")
         assert_close_to_scale(got["grad"], x.grad, what=f"rank {rank}: grad")
+
+
+def _entered_mesh_and_loss_guard() -> dict[str, Any]:
+    mesh = hp_dt.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    with mesh:
+        parallelize_module(model, None, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        distributed = hp_dt.distribute_module(nn.Linear(2, 2))
+    try:
+        parallelize_module(nn.Linear(2, 2), None, ColwiseParallel())
+        no_mesh = ""
+    except RuntimeError as e:
+        no_mesh = str(e)
+    x = hp_dt.distribute_tensor(torch.randn(2, 6, 3), mesh, [hp_dt.Shard(1)])
+    try:
+        with loss_parallel():
+            F.cross_entropy(x, torch.zeros(2, 3, dtype=torch.long))
+        guard = ""
+    except NotImplementedError as e:
+        guard = str(e)
+    return {
+        "meshes": [getattr(p, "device_mesh", None) == mesh for p in model.parameters()],
+        "distributed": [getattr(p, "device_mesh", None) == mesh for p in distributed.parameters()],
+        "no_mesh": no_mesh,
+        "guard": guard,
+    }
+
+
+def test_styles_use_the_entered_mesh_and_loss_parallel_refuses_a_class_dim_not_last() -> None:
+    got = run_on_ranks(_entered_mesh_and_loss_guard, 2)[0]
+    assert got["meshes"] == [True] * 4 and got["distributed"] == [True] * 2
+    assert "parallelize_module" in got["no_mesh"] and "with mesh" in got["no_mesh"]
+    assert "(N, C)" in got["guard"] and "flatten" in got["guard"], got["guard"]

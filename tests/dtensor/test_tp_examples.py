@@ -105,10 +105,7 @@ def _step(
         dp_group, dp_rank, dp_size = None, 0, 1
     torch.manual_seed(0)
     model = build()
-    # Every rank built the same values (same seed); on the 2-D mesh each keeps its own copy
-    # (src_data_rank=None), as a group rank on a sub-mesh is issue #10's item 5.
-    src_data_rank = None if dp else 0
-    api.parallel.parallelize_module(model, tp_mesh, plan(api), src_data_rank=src_data_rank)
+    api.parallel.parallelize_module(model, tp_mesh, plan(api))
     data = _data(example, dp_rank, dp_size)
     # torch's foreach kernels refuse lists mixing DTensors and plain tensors (the block's
     # norms stay plain): those examples step parameter by parameter.

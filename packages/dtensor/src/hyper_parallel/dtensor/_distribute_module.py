@@ -11,7 +11,7 @@ from torch import nn
 
 from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._tensor import DTensor
-from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.dtensor.placement_types import Replicate
 
 __all__ = ["distribute_module"]
@@ -37,7 +37,8 @@ def distribute_module(
     rank, as ``distribute_tensor`` does). ``input_fn(module, inputs, mesh)`` becomes a
     forward pre-hook and ``output_fn(module, outputs, mesh)`` a forward hook of
     ``module`` (the deprecated two-argument forms ``(inputs, mesh)`` still work, with a
-    ``FutureWarning``). A module is distributed once; the same module returns.
+    ``FutureWarning``). Without ``device_mesh``, the mesh entered with ``with mesh:``.
+    A module is distributed once; the same module returns.
 
     Example::
 
@@ -60,9 +61,7 @@ def distribute_module(
             "distribute_module should only be called once on a module"
         )
     if device_mesh is None:
-        raise ValueError(
-            f"distribute_module({type(module).__name__}): expected a DeviceMesh, found None"
-        )
+        device_mesh = current_mesh("distribute_module")
     # Check the hooks before touching the module, so a bad call changes nothing.
     pre_hook = _hook(input_fn, "input_fn", device_mesh, pre=True) if input_fn else None
     post_hook = _hook(output_fn, "output_fn", device_mesh, pre=False) if output_fn else None

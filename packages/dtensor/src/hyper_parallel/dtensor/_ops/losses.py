@@ -338,10 +338,29 @@ def _log_softmax_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     x = args[0]
     if loss_parallel_active() and isinstance(x, DTensor):
         dim = args[1] + x.ndim if args[1] < 0 else args[1]
+        if dim != x.ndim - 1:
+            # the fused backward is written for a class dim that is last: (N, C) or (C,)
+            raise _class_dim_not_last("log_softmax", x, dim)
         class_sharding_axis(x._spec.placements, dim, where="log_softmax")
+    return dispatch_by_rules(DTensor, func, args, kwargs)
+
+
+def _class_dim_not_last(where: str, x: DTensor, dim: int) -> NotImplementedError:
+    return NotImplementedError(
+        f"{where} under loss_parallel(): expected logits of shape (N, C) or (C,) (class dim "
+        f"last), found shape {tuple(x.shape)} with the class dim {dim}; flatten the other "
+        "dims first: F.cross_entropy(logits.flatten(0, -2), target.flatten())"
+    )
+
+
+def _nll2d_forward_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    if loss_parallel_active() and isinstance(x, DTensor):
+        raise _class_dim_not_last("nll_loss2d", x, 1)
     return dispatch_by_rules(DTensor, func, args, kwargs)
 
 
 register_special(aten.nll_loss_forward.default)(_nll_forward_special)
 register_special(aten.nll_loss_backward.default)(_nll_backward_special)
 register_special(aten._log_softmax.default)(_log_softmax_special)
+register_special(aten.nll_loss2d_forward.default)(_nll2d_forward_special)

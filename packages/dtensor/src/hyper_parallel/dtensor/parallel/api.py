@@ -7,7 +7,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 
-from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.dtensor.parallel.style import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,7 +35,7 @@ def parallelize_module(
     pattern over child names, ``""`` is ``module`` itself) to styles; a path matching
     nothing is skipped with a warning. ``src_data_rank`` is the rank whose parameter
     values are scattered (``None``: each rank keeps its own). The mesh is 1-D (slice a
-    larger one: ``mesh["tp"]``). Every entry is resolved and checked before any
+    larger one: ``mesh["tp"]``); without one, the mesh entered with ``with mesh:``. Every entry is resolved and checked before any
     module changes, so a bad plan leaves the model untouched.
 
     Example::
@@ -53,9 +53,7 @@ def parallelize_module(
         )
         return module
     if device_mesh is None:
-        raise ValueError(
-            f"parallelize_module({type(module).__name__}): expected a DeviceMesh, found None"
-        )
+        device_mesh = current_mesh("parallelize_module")
     if isinstance(parallelize_plan, ParallelStyle):
         entries = [("", module, parallelize_plan)]
     elif isinstance(parallelize_plan, dict):
