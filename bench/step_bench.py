@@ -39,6 +39,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ours_dtensor": "bench.ours.llama_ref:build_dtensor_step",
     "ours_local_map": "bench.ours.llama_ref:build_local_map_step",
     "ours_user_model": "bench.ours.user_model:build_user_model_step",
+    "ours_tp_api": "bench.ours.tp_api:build_hp_tp_step",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"

@@ -7,61 +7,78 @@ replicated DTensor each, so the three (two) column-parallel projections share it
 backward all-reduces its Partial gradient once, as Megatron's ``f`` does; without it every
 ``ColwiseParallel`` would all-reduce its own input gradient (5 backward all-reduces per
 block instead of 2).
+
+The plan and the step take the TP API as an argument (``torch.distributed.tensor.parallel``
+by default), so entry (f) runs this very code on hp-dtensor's ``parallelize_module``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
 
 import torch
+import torch.distributed.tensor.parallel as torch_parallel
 from bench.common.harness import TPContext
 from bench.common.llama import Llama, LlamaConfig, cross_entropy_loss
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import Replicate
 
 
-def torch_tp_plan(cfg: LlamaConfig) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan for ``Llama`` (module FQN -> style).
+def torch_tp_plan(
+    cfg: LlamaConfig, parallel: ModuleType = torch_parallel, replicate: Any = None
+) -> dict[str, Any]:
+    """The ``parallelize_module`` plan for ``Llama`` (module FQN -> style of ``parallel``).
+
+    ``replicate`` is that API's ``Replicate()`` (default: torch's).
 
     Example:
         >>> type(torch_tp_plan(LlamaConfig(n_layers=1))["layers.0.attention.wo"]).__name__
         'RowwiseParallel'
     """
-    plan: dict[str, ParallelStyle] = {}
+    replicate = Replicate() if replicate is None else replicate
+    plan: dict[str, Any] = {}
     for i in range(cfg.n_layers):
         pre = f"layers.{i}."
         for region, colwise, rowwise in (
             ("attention", ("wq", "wk", "wv"), "wo"),
             ("feed_forward", ("w1", "w3"), "w2"),
         ):
-            plan[pre + region] = PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+            plan[pre + region] = parallel.PrepareModuleInput(
+                input_layouts=(replicate,), desired_input_layouts=(replicate,)
             )
             for name in colwise:
-                plan[f"{pre}{region}.{name}"] = ColwiseParallel()
-            plan[f"{pre}{region}.{rowwise}"] = RowwiseParallel()
+                plan[f"{pre}{region}.{name}"] = parallel.ColwiseParallel()
+            plan[f"{pre}{region}.{rowwise}"] = parallel.RowwiseParallel()
     return plan
 
 
 class TorchTPStep:
-    """Train step of ``Llama`` parallelized with torch's tensor-parallel API."""
+    """Train step of ``Llama`` parallelized with torch's tensor-parallel API (or one like it).
+
+    ``parallel``, ``mesh`` and ``replicate`` pick the API: torch's by default.
+    """
 
     def __init__(
-        self, cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+        self,
+        cfg: LlamaConfig,
+        full_weights: Mapping[str, torch.Tensor],
+        ctx: TPContext,
+        *,
+        parallel: ModuleType = torch_parallel,
+        mesh: Any = None,
+        replicate: Any = None,
     ) -> None:
         cfg.check_tensor_parallel(ctx.world_size)
         model = Llama(cfg)
         model.load_state_dict(dict(full_weights))
         # src_data_rank=None: every rank holds the same full weights, so each slices its own
         # shard locally instead of receiving it from rank 0.
-        self.model = parallelize_module(
-            model, ctx.torch_mesh, torch_tp_plan(cfg), src_data_rank=None
+        self.model = parallel.parallelize_module(
+            model,
+            ctx.torch_mesh if mesh is None else mesh,
+            torch_tp_plan(cfg, parallel, replicate),
+            src_data_rank=None,
         )
 
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -81,7 +98,7 @@ class TorchTPStep:
                 raise RuntimeError(
                     f"TorchTPStep.full_grads: {name} has no gradient; run a step first"
                 )
-            grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+            grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
         return grads
 
 

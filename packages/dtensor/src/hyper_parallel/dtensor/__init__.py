@@ -17,6 +17,7 @@ from hyper_parallel.dtensor import (
 from hyper_parallel.dtensor._checkpointable import register_safe_globals as _register_safe_globals
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
+from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
 from hyper_parallel.dtensor._planning import (
@@ -46,6 +47,7 @@ __all__ = [
     "Shard",
     "clear_plan_cache",
     "collectives",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "enforce_layout",

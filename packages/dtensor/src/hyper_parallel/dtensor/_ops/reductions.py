@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._ops.losses import loss_parallel_active
 from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
 from hyper_parallel.dtensor.collectives import all_reduce_over
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -282,10 +283,28 @@ def _sharded_softmax(over: Over) -> Any:
     return softmax
 
 
+def _sharded_safe_softmax(over: Over) -> Any:
+    """``_safe_softmax`` (attention's math form): a row masked everywhere gives zeros, not NaN."""
+
+    def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype is not None:
+            x = x.to(dtype)
+        row_max = _row_max(x, dim, over)
+        row_max = torch.where(torch.isneginf(row_max), 0, row_max)
+        e = (x - row_max).exp()
+        total = _all_reduce(e.sum(dim, keepdim=True), over, "sum")
+        return torch.where(total == 0, 0, e / total)
+
+    return safe_softmax
+
+
 def _sharded_log_softmax_backward(over: Over) -> Any:
     def backward(
         grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
     ) -> torch.Tensor:
+        if loss_parallel_active():
+            # nll_loss's fused backward already gave the logits' gradient (see losses.py)
+            return grad.to(input_dtype)
         total = _all_reduce(grad.sum(dim, keepdim=True), over, "sum")
         return (grad - out.exp() * total).to(input_dtype)
 
@@ -305,6 +324,7 @@ def _sharded_softmax_backward(over: Over) -> Any:
 _SHARDED_SOFTMAX: dict[Any, Callable[[Over], Any]] = {
     aten._log_softmax: _sharded_log_softmax,
     aten._softmax: _sharded_softmax,
+    aten._safe_softmax: _sharded_safe_softmax,
     aten._log_softmax_backward_data: _sharded_log_softmax_backward,
     aten._softmax_backward_data: _sharded_softmax_backward,
 }
@@ -339,6 +359,7 @@ register_rule(
 register_rule(aten.linalg_vector_norm.default)(_norm_rule)
 register_rule(
     aten._softmax.default,
+    aten._safe_softmax.default,
     aten._log_softmax.default,
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
