@@ -19,13 +19,21 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
+from typing import Any
 
+from packaging.markers import Marker
 from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # requires-python is 3.10: tomllib is 3.11+
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,10 +99,10 @@ PACKAGES: dict[str, Package] = {
     )
 }
 
-# Extras installed with a package when it is tested alone: dmodule needs a platform adapter.
-TEST_EXTRAS: dict[str, tuple[str, ...]] = {"hp-dmodule": ("torch",)}
-# What the package's tests need besides the package itself (versions pinned by uv.lock).
-TEST_TOOLS: tuple[str, ...] = ("pytest", "pytest-timeout", "hypothesis")
+# The extra of each package that names what its tests need besides the package itself
+# (packages/*/pyproject.toml). The workspace's dev group, the release rehearsal and the
+# isolation tests all install it: the one list of a package's test needs.
+TEST_EXTRA = "test"
 
 _VERSION_LINE = re.compile(r'^version\s*=\s*"([^"]+)"\s*$', re.MULTILINE)
 
@@ -291,56 +299,74 @@ def wheel_entry_points(wheel: Path) -> str:
 def workspace_closure(package: Package, extras: Iterable[str] = ()) -> list[Package]:
     """``package`` and every workspace package it needs (with ``extras``), read from pyproject.
 
+    Extras are followed through requirements on workspace packages, self-references
+    included (hp-dmodule's ``test`` extra requires ``hp-dmodule[torch,demo]``).
+
     Example::
 
         >>> [p.name for p in workspace_closure(PACKAGES["hp-dtensor"])]
         ['hp-dtensor', 'hp-platform-torch']
     """
     order: list[Package] = []
+    visited: set[tuple[str, frozenset[str]]] = set()
     pending: list[tuple[Package, frozenset[str]]] = [(package, frozenset(extras))]
     while pending:
         current, current_extras = pending.pop(0)
-        if current in order:
+        if (current.name, current_extras) in visited:
             continue
-        order.append(current)
-        for requirement in _pyproject_requirements(current):
-            if requirement.name not in PACKAGES:
-                continue
-            needed = requirement.marker is None or any(
-                requirement.marker.evaluate({"extra": extra}) for extra in current_extras | {""}
-            )
-            if needed:
+        visited.add((current.name, current_extras))
+        if current not in order:
+            order.append(current)
+        for requirement in pyproject_requirements(current):
+            if requirement.name in PACKAGES and any(
+                _marker_holds(requirement, extra) for extra in current_extras | {""}
+            ):
                 pending.append((PACKAGES[requirement.name], frozenset(requirement.extras)))
     return order
 
 
-def _pyproject_requirements(package: Package) -> list[Requirement]:
-    """``dependencies`` plus optional dependencies (marked ``extra == ...``) of a package."""
-    text = package.pyproject.read_text(encoding="utf-8")
-    found: list[Requirement] = []
-    for line in _toml_string_list(text, "dependencies"):
-        found.append(Requirement(line))
-    section = re.search(
-        r"^\[project\.optional-dependencies\]\s*$(.*?)(?=^\[|\Z)", text, re.MULTILINE | re.DOTALL
-    )
-    if section is not None:
-        for extra, body in re.findall(r"^([\w-]+)\s*=\s*\[(.*?)\]", section.group(1), re.M | re.S):
-            for line in re.findall(r'"([^"]+)"', body):
-                found.append(Requirement(f'{line}; extra == "{extra}"'))
+def _marker_holds(requirement: Requirement, extra: str) -> bool:
+    """Whether ``requirement`` applies when ``extra`` is requested ("" for none)."""
+    return requirement.marker is None or requirement.marker.evaluate({"extra": extra})
+
+
+def read_pyproject(path: Path) -> dict[str, Any]:
+    """A pyproject.toml, parsed.
+
+    Example::
+
+        >>> read_pyproject(PACKAGES["hp-config"].pyproject)["project"]["name"]
+        'hp-config'
+    """
+    with path.open("rb") as file:
+        return tomllib.load(file)
+
+
+def pyproject_requirements(package: Package) -> list[Requirement]:
+    """``dependencies`` plus optional dependencies (marked ``extra == "NAME"``) of a package.
+
+    Example::
+
+        >>> [str(r) for r in pyproject_requirements(PACKAGES["hp-dtensor"])][0]
+        'hp-platform-torch<0.2,>=0.1'
+    """
+    project: Mapping[str, Any] = read_pyproject(package.pyproject)["project"]
+    found = [Requirement(line) for line in project.get("dependencies", [])]
+    for extra, lines in project.get("optional-dependencies", {}).items():
+        for line in lines:
+            requirement = Requirement(line)
+            condition = f"({requirement.marker}) and " if requirement.marker else ""
+            requirement.marker = Marker(f'{condition}extra == "{extra}"')
+            found.append(requirement)
     return found
-
-
-def _toml_string_list(text: str, key: str) -> list[str]:
-    project = _project_table(text, Path("pyproject.toml"))
-    match = re.search(rf"^{key}\s*=\s*\[(.*?)\]", project, re.MULTILINE | re.DOTALL)
-    return re.findall(r'"([^"]+)"', match.group(1)) if match else []
 
 
 def locked_constraints(out_file: Path) -> Path:
     """Write uv.lock's third-party pins (torch, pytest, ...) as a pip constraints file.
 
-    Installing against these pins reuses the wheels already in uv's cache (torch is ~4 GB),
-    and tests the versions CI tests.
+    Installing against these pins reuses the wheels already in uv's cache (torch is ~4 GB
+    with its CUDA libraries), and tests the versions CI tests. The lock is universal, so
+    the pins carry markers for every Python the packages declare.
 
     Example::
 
@@ -364,15 +390,75 @@ def locked_constraints(out_file: Path) -> Path:
     return out_file
 
 
-def create_venv(path: Path) -> Path:
-    """Create a fresh virtual environment at ``path`` (current Python); return its python.
+def find_python(version: str) -> Path | None:
+    """A CPython ``version`` (e.g. ``"3.10"``) interpreter on this machine, or None.
+
+    Looks with ``uv python find`` (PATH, uv-managed Pythons) with downloads off — uv
+    downloads Pythons from GitHub, which CI machines here cannot reach — then in pyenv's
+    ``versions/`` folder, whose shims uv cannot run. Each candidate is run to check it.
+
+    Example::
+
+        >>> find_python("2.0") is None
+        True
+    """
+    candidates: list[Path] = []
+    try:
+        found = run(
+            [
+                find_uv(),
+                "python",
+                "find",
+                "--system",
+                "--no-project",
+                "--no-python-downloads",
+                version,
+            ]
+        )
+        candidates.append(Path(found.strip()))
+    except StepError:
+        pass
+    pyenv_root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    patches = sorted(
+        (pyenv_root / "versions").glob(f"{version}.*/bin/python{version}"),
+        key=lambda path: _version_key(path.parents[1].name),
+        reverse=True,
+    )
+    candidates += patches
+    for candidate in candidates:
+        if _is_cpython(candidate, version):
+            return candidate
+    return None
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    return tuple(int(part) if part.isdigit() else -1 for part in text.split("."))
+
+
+def _is_cpython(python: Path, version: str) -> bool:
+    """Whether ``python`` runs and is CPython ``version``."""
+    check = "import platform, sys; print(platform.python_implementation(), *sys.version_info[:2])"
+    try:
+        found = run([python, "-c", check]).split()
+    except (StepError, OSError):
+        return False
+    return found == ["CPython", *version.split(".")]
+
+
+def python_version(python: Path) -> str:
+    """The full version of the interpreter ``python`` (``3.10.13``)."""
+    return run([python, "-c", "import platform; print(platform.python_version())"]).strip()
+
+
+def create_venv(path: Path, interpreter: Path | str = sys.executable) -> Path:
+    """Create a fresh virtual environment at ``path`` with ``interpreter``; return its python.
 
     Example::
 
         >>> create_venv(Path("/tmp/venv")).name  # doctest: +SKIP
         'python'
     """
-    run([find_uv(), "venv", "--quiet", "--python", sys.executable, path])
+    run([find_uv(), "venv", "--quiet", "--no-python-downloads", "--python", interpreter, path])
     python = path / "bin" / "python"
     if not python.exists():
         python = path / "Scripts" / "python.exe"
@@ -418,7 +504,7 @@ def installed(python: Path) -> dict[str, str]:
 def install_from_wheels(
     python: Path,
     package: Package,
-    wheels: dict[str, Path],
+    wheels: Mapping[str, Path],
     *,
     constraints: Path,
     extras: Sequence[str] = (),
@@ -444,11 +530,69 @@ def install_from_wheels(
     pip_install(python, requirements, constraints=constraints)
 
 
-def run_package_tests(python: Path, package: Package, extra_args: Sequence[str] = ()) -> str:
-    """Run ``package``'s tests with ``python`` (an environment holding the installed wheel).
+@dataclass(frozen=True)
+class FreshInstall:
+    """A fresh venv holding a package as its users install it, plus its ``test`` extra."""
 
-    pytest runs from the repository root (for the root pytest config) but, for hp-config,
-    loads no conftest.py above its own test folder: hp-config's tests must not need torch.
+    python: Path
+    for_users: dict[str, str]
+    """What installing the package alone (its wheel, sibling wheels, PyPI) put there."""
+    for_tests: dict[str, str]
+    """The same after adding the package's ``test`` extra."""
+
+    @property
+    def added_for_tests(self) -> list[str]:
+        """Distributions the ``test`` extra added, e.g. ``['hypothesis', 'pytest', ...]``."""
+        return sorted(self.for_tests.keys() - self.for_users.keys())
+
+
+def install_fresh(
+    package: Package,
+    wheels: Mapping[str, Path],
+    venv: Path,
+    *,
+    constraints: Path,
+    interpreter: Path | str = sys.executable,
+) -> FreshInstall:
+    """Create ``venv``, install ``package`` as its users do, then its ``test`` extra.
+
+    The test extra may bring test tools only: a sibling package that the package does not
+    require (so its users would not have it) is refused, as is torch-npu.
+
+    Example::
+
+        >>> install_fresh(PACKAGES["hp-dtensor"], wheels, Path("/tmp/v"), constraints=c)  # doctest: +SKIP
+        FreshInstall(python=PosixPath('/tmp/v/bin/python'), ...)
+    """
+    python = create_venv(venv, interpreter)
+    install_from_wheels(python, package, wheels, constraints=constraints)
+    for_users = installed(python)
+    install_from_wheels(python, package, wheels, constraints=constraints, extras=(TEST_EXTRA,))
+    fresh = FreshInstall(python, for_users, installed(python))
+    siblings = [name for name in fresh.added_for_tests if name in PACKAGES]
+    if siblings:
+        raise StepError(
+            f"{package.name}[{TEST_EXTRA}] installs {siblings}, which {package.name}'s users do "
+            f"not get: its tests must not need them (move those tests to {siblings}'s own), or "
+            f"{package.name} must require them"
+        )
+    if "torch-npu" in fresh.for_tests:
+        raise StepError("fresh venv: torch-npu was installed; it must only come with the npu extra")
+    expected = wheel_metadata(wheels[package.name])["Version"]
+    if fresh.for_users.get(package.name) != expected:
+        raise StepError(
+            f"fresh venv: expected {package.name}=={expected} (from "
+            f"{wheels[package.name].name}), found {fresh.for_users.get(package.name)}"
+        )
+    return fresh
+
+
+def run_package_tests(python: Path, package: Package, pytest_args: Sequence[str] = ()) -> str:
+    """Run ``package``'s tests (or ``pytest_args``) with ``python``; return pytest's output.
+
+    ``python`` is an environment holding the installed wheel. pytest runs from the
+    repository root (for the root pytest config) but, for hp-config, loads no conftest.py
+    above its own test folder: hp-config's tests must not need torch.
 
     Example::
 
@@ -456,7 +600,116 @@ def run_package_tests(python: Path, package: Package, extra_args: Sequence[str] 
     """
     if not package.tests_path.is_dir():
         raise StepError(f"{package.name}: expected its tests in {package.tests}/, found no folder")
-    cmd: list[str | Path] = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", package.tests]
+    cmd: list[str | Path] = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if package.name == "hp-config":
         cmd += ["--confcutdir", package.tests]
-    return run([*cmd, *extra_args])
+    return run([*cmd, *(pytest_args or [package.tests])])
+
+
+def run_demo(python: Path, steps: int, work: Path) -> str:
+    """Run the README's demo (``--steps steps``) with ``python``, in ``work``; return its output.
+
+    Example::
+
+        >>> run_demo(python, 3, Path("/tmp/demo")).splitlines()[-1]  # doctest: +SKIP
+        'loss curve: ...; median step 9.1 ms; total 4.2 s'
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    plot = work / "loss_curve.png"
+    cmd: list[str | Path] = [
+        python,
+        "-m",
+        "hyper_parallel.dmodule.demo",
+        "--steps",
+        str(steps),
+        "--plot",
+        plot,
+    ]
+    return run(cmd, cwd=work)
+
+
+def last_line(output: str) -> str:
+    """The last non-empty line of a command's output (pytest's and the demo's summary)."""
+    lines = output.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """What :func:`build_install_test` built, installed and ran."""
+
+    built: Built
+    install: FreshInstall
+    python_version: str
+    tests: str
+    """pytest's summary line, or "" when no tests were asked for."""
+
+
+def build_install_test(
+    package: Package,
+    work: Path,
+    *,
+    workspace: Path = ROOT,
+    interpreter: Path | str = sys.executable,
+    pytest_args: Sequence[str] | None = (),
+    say: Callable[[str], None] = print,
+) -> Rehearsal:
+    """Build ``package`` alone, install it into a fresh venv as its users do, and test it there.
+
+    1. ``uv build --package NAME`` (sdist + wheel) from ``workspace``, and wheels of the
+       workspace packages it requires;
+    2. a fresh venv with ``interpreter``; ``pip install`` the wheel with those sibling wheels
+       and third-party requirements from PyPI at uv.lock's versions (what its users get),
+       then the same with its ``test`` extra (which may add test tools only);
+    3. ``pytest`` on the package's tests (``tests/<name>``), or on ``pytest_args``; none when
+       ``pytest_args`` is None.
+
+    Example::
+
+        >>> build_install_test(PACKAGES["hp-config"], Path("/tmp/w")).tests  # doctest: +SKIP
+        '176 passed in 5.01s'
+    """
+    version = read_version(workspace / "packages" / package.folder / "pyproject.toml")
+    say(f"== build {package.name} {version} (uv build --package {package.name})")
+    started = time.monotonic()
+    built = build(package, work / "dist", workspace=workspace)
+    assert built.sdist is not None
+    wheels = {package.name: built.wheel}
+    for dependency in workspace_closure(package, (TEST_EXTRA,))[1:]:
+        wheels[dependency.name] = build(
+            dependency, work / "deps", workspace=workspace, sdist=False
+        ).wheel
+    say(
+        f"  built {built.wheel.name}, {built.sdist.name}; siblings: {_names(wheels, package)}"
+        f" ({_since(started)})"
+    )
+
+    full_version = python_version(Path(interpreter))
+    say(f"== install into a fresh venv (CPython {full_version})")
+    started = time.monotonic()
+    constraints = locked_constraints(work / "constraints.txt")
+    fresh = install_fresh(
+        package, wheels, work / "venv", constraints=constraints, interpreter=interpreter
+    )
+    say(
+        f"  {package.name} as users install it: {len(fresh.for_users)} distributions; "
+        f"its [{TEST_EXTRA}] extra added {', '.join(fresh.added_for_tests) or 'nothing'}"
+        f" ({_since(started)})"
+    )
+    summary = ""
+    if pytest_args is not None:
+        args = list(pytest_args) or [package.tests]
+        say(f"== pytest {' '.join(args)} (in that venv)")
+        started = time.monotonic()
+        summary = last_line(run_package_tests(fresh.python, package, args))
+        say(f"  {summary} ({_since(started)})")
+    return Rehearsal(built, fresh, full_version, summary)
+
+
+def _since(started: float) -> str:
+    return f"{time.monotonic() - started:.1f} s"
+
+
+def _names(wheels: Mapping[str, Path], package: Package) -> str:
+    others = [name for name in wheels if name != package.name]
+    return ", ".join(others) or "none"

@@ -2,7 +2,7 @@
 
 Usage::
 
-    uv run python scripts/release.py hp-config 0.1.1 [--dry-run] [--allow-dirty]
+    uv run python scripts/release.py hp-config 0.1.1 [--dry-run] [--allow-dirty] [--python 3.10]
     uv run python scripts/release.py --check-builds
 
 Steps, all before the working tree is touched:
@@ -12,10 +12,11 @@ Steps, all before the working tree is touched:
    no uncommitted changes in the package (unless ``--allow-dirty``);
 2. copy the workspace's ``packages/`` into a staging folder and bump the version there;
 3. ``uv build --package NAME`` (sdist + wheel), plus wheels of the workspace packages it
-   depends on;
-4. create a fresh venv, install the wheel (hp-config: alone, without dependencies; the
-   others: with their workspace deps from the fresh local wheels and third-party deps
-   such as torch from PyPI at the versions pinned in uv.lock);
+   requires;
+4. create a fresh venv (the running Python, or ``--python``), install the wheel as its
+   users do: with the sibling wheels it requires and third-party requirements such as
+   torch from PyPI at the versions pinned in uv.lock; then add its ``test`` extra (test
+   tools only: a sibling that users would not get is refused);
 5. run the package's tests (``tests/<name>``) with that venv's python.
 
 Then, unless ``--dry-run``: write the new version into ``packages/NAME/pyproject.toml``,
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
@@ -42,21 +44,15 @@ from packaging.version import InvalidVersion, Version
 from hp_workspace import (
     PACKAGES,
     ROOT,
-    TEST_EXTRAS,
-    TEST_TOOLS,
     Package,
+    Rehearsal,
     StepError,
     build,
-    create_venv,
+    build_install_test,
+    find_python,
     find_uv,
-    install_from_wheels,
-    installed,
-    locked_constraints,
-    pip_install,
     read_version,
     run,
-    run_package_tests,
-    workspace_closure,
     write_version,
 )
 
@@ -150,46 +146,38 @@ def stage_workspace(staging: Path) -> Path:
     return staging
 
 
-def rehearse(package: Package, new_version: str, work: Path) -> tuple[Path, Path]:
-    """Bump in a staged copy, build, install into a fresh venv and test; return (wheel, sdist)."""
+def rehearse(
+    package: Package,
+    new_version: str,
+    work: Path,
+    *,
+    interpreter: Path | str = sys.executable,
+    pytest_args: Sequence[str] = (),
+) -> Rehearsal:
+    """Bump in a staged copy, build, install into a fresh venv and test there.
+
+    ``pytest_args`` narrows the tests (default: the package's whole test folder).
+
+    Example::
+
+        >>> rehearse(PACKAGES["hp-config"], "0.1.1", Path("/tmp/r")).tests  # doctest: +SKIP
+        '176 passed in 5.01s'
+    """
     staging = stage_workspace(work / "workspace")
     write_version(staging / "packages" / package.folder / "pyproject.toml", new_version)
-    extras = TEST_EXTRAS.get(package.name, ())
-
-    step(f"build {package.name} {new_version} (uv build --package {package.name})")
-    out = work / "dist"
-    built = build(package, out, workspace=staging)
-    assert built.sdist is not None
-    wheels = {package.name: built.wheel}
-    for dependency in workspace_closure(package, extras)[1:]:
-        wheels[dependency.name] = build(
-            dependency, work / "deps", workspace=staging, sdist=False
-        ).wheel
-    print(f"  built {built.wheel.name}, {built.sdist.name}", flush=True)
-
-    step("install the wheel into a fresh venv")
-    python = create_venv(work / "venv")
-    constraints = locked_constraints(work / "constraints.txt")
-    if package.name == "hp-config":
-        pip_install(python, [built.wheel], no_deps=True)
-    else:
-        install_from_wheels(python, package, wheels, constraints=constraints, extras=extras)
-    versions = installed(python)
-    if versions.get(package.name) != new_version:
-        raise StepError(
-            f"fresh venv: expected {package.name}=={new_version}, found {versions.get(package.name)}"
-        )
-    if "torch-npu" in versions:
-        raise StepError("fresh venv: torch-npu was installed; it must only come with the npu extra")
-    print(f"  {len(versions)} distributions installed", flush=True)
-
-    step(f"run {package.tests}/ in that venv")
-    pip_install(python, list(TEST_TOOLS), constraints=constraints)
-    print(run_package_tests(python, package).rstrip().splitlines()[-1], flush=True)
-    return built.wheel, built.sdist
+    return build_install_test(
+        package, work, workspace=staging, interpreter=interpreter, pytest_args=pytest_args
+    )
 
 
-def release(package: Package, new_version: str, *, dry_run: bool, allow_dirty: bool) -> None:
+def release(
+    package: Package,
+    new_version: str,
+    *,
+    dry_run: bool,
+    allow_dirty: bool,
+    interpreter: Path | str = sys.executable,
+) -> None:
     """Validate, rehearse in a staging copy, then (unless dry-run) bump and keep the artifacts."""
     step(f"validate {package.name} {read_version(package.pyproject)} -> {new_version}")
     new = validate_version(package, new_version)
@@ -199,7 +187,8 @@ def release(package: Package, new_version: str, *, dry_run: bool, allow_dirty: b
     warn_about_dependents(package, new)
 
     with tempfile.TemporaryDirectory(prefix=f"release-{package.name}-") as tmp:
-        wheel, sdist = rehearse(package, new_version, Path(tmp))
+        built = rehearse(package, new_version, Path(tmp), interpreter=interpreter).built
+        assert built.sdist is not None
         if dry_run:
             print(
                 f"\ndry run: {package.name} {new_version} builds and passes its tests; "
@@ -212,7 +201,7 @@ def release(package: Package, new_version: str, *, dry_run: bool, allow_dirty: b
         run([find_uv(), "lock"])
         dist = ROOT / "dist" / package.name
         dist.mkdir(parents=True, exist_ok=True)
-        for artifact in (wheel, sdist):
+        for artifact in (built.wheel, built.sdist):
             shutil.copy2(artifact, dist / artifact.name)
     tag = f"{package.name}-v{new_version}"
     print(
@@ -245,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow-dirty", action="store_true", help="release with uncommitted changes"
     )
+    parser.add_argument(
+        "--python",
+        metavar="VERSION",
+        help="CPython to rehearse on, e.g. 3.10 (default: the one running this script)",
+    )
     parser.add_argument("--check-builds", action="store_true", help="only build all four packages")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -254,11 +248,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.package is None or args.version is None:
             parser.error("expected PACKAGE and VERSION (or --check-builds)")
         else:
+            interpreter = find_python(args.python) if args.python else Path(sys.executable)
+            if interpreter is None:
+                raise StepError(
+                    f"--python {args.python}: no CPython {args.python} found (looked with "
+                    "`uv python find` and in pyenv's versions folder)"
+                )
             release(
                 PACKAGES[args.package],
                 args.version,
                 dry_run=args.dry_run,
                 allow_dirty=args.allow_dirty,
+                interpreter=interpreter,
             )
     except (StepError, OSError, subprocess.SubprocessError) as error:
         print(f"release failed: {error}", file=sys.stderr)

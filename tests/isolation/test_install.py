@@ -12,7 +12,7 @@ import pytest
 
 from hp_workspace import (
     PACKAGES,
-    TEST_TOOLS,
+    TEST_EXTRA,
     create_venv,
     install_from_wheels,
     installed,
@@ -64,11 +64,13 @@ def test_hp_config_imports_without_torch(config_alone: tuple[Path, dict[str, str
     assert str(python.parent.parent) in where, f"imported from {where}, not from the venv"
 
 
-def test_hp_config_tests_pass_from_its_wheel(
-    config_alone: tuple[Path, dict[str, str]], constraints: Path
+def test_hp_config_tests_pass_from_its_wheel_with_its_test_extra(
+    config_alone: tuple[Path, dict[str, str]], wheels: dict[str, Path], constraints: Path
 ) -> None:
     python, _ = config_alone
-    pip_install(python, list(TEST_TOOLS), constraints=constraints)
+    install_from_wheels(
+        python, PACKAGES["hp-config"], wheels, constraints=constraints, extras=(TEST_EXTRA,)
+    )
     assert "torch" not in installed(python)
     run_package_tests(python, PACKAGES["hp-config"])
 

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import release
-from hp_workspace import PACKAGES, ROOT, StepError, read_version, workspace_closure, write_version
+from hp_workspace import (
+    PACKAGES,
+    ROOT,
+    StepError,
+    read_pyproject,
+    read_version,
+    workspace_closure,
+    write_version,
+)
 
 
 @pytest.mark.parametrize("bad", ["0.1", "v0.2.0", "0.2.0.dev1", "01.2.3", "0.2.0-rc1", "0.2"])
@@ -87,3 +97,40 @@ def test_ci_runs_the_readme_demo_and_test_commands() -> None:
     ):
         assert f"python3 -m pip install uv && {command}" in readme, command
         assert command in ci, command
+
+
+def test_ci_tests_on_the_lowest_python_the_packages_declare() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    floors = {
+        name: read_pyproject(package.pyproject)["project"]["requires-python"]
+        for name, package in PACKAGES.items()
+    }
+    assert set(floors.values()) == {">=3.10"}, floors
+    assert "scripts/check_install.py hp-config --python 3.10 --python 3.13" in ci
+    assert "scripts/check_install.py hp-dmodule --python 3.10 --demo-steps 3" in ci
+
+
+def _demo_rows(text: str) -> tuple[list[str], list[str]]:
+    """The sharding-plan rows and collective rows of demo output (or of a README sample)."""
+    plan = re.findall(r"^ +\S+ +weight +\[.*\)$", text, re.MULTILINE)
+    collectives = re.findall(r"^ +(?:all_\w+|reduce_scatter\w*) +x\d+ +[\d.]+ \w+$", text, re.M)
+    return [row.strip() for row in plan], [row.strip() for row in collectives]
+
+
+def test_readme_demo_samples_match_a_real_run_of_the_demo(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.dmodule.demo", "--steps", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    plan, collectives = _demo_rows(done.stdout)
+    assert plan and collectives, done.stdout
+    for readme in (ROOT / "README.md", PACKAGES["hp-dmodule"].path / "README.md"):
+        sample_plan, sample_collectives = _demo_rows(readme.read_text(encoding="utf-8"))
+        where = readme.relative_to(ROOT)
+        assert sample_collectives == collectives, f"{where}: sample collectives are stale"
+        assert sample_plan and set(sample_plan) <= set(plan), f"{where}: sample plan is stale"
