@@ -150,8 +150,13 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run(cmd: Sequence[str | Path], *, cwd: Path = ROOT, quiet: bool = True) -> str:
+def run(
+    cmd: Sequence[str | Path], *, cwd: Path = ROOT, quiet: bool = True, echo: bool = False
+) -> str:
     """Run ``cmd`` in ``cwd``; return its stdout, or raise StepError with its output.
+
+    ``echo`` streams the command's output (stdout and stderr, merged) as it comes, for
+    steps that take minutes; the returned text is then that merged output.
 
     Example::
 
@@ -161,16 +166,39 @@ def run(cmd: Sequence[str | Path], *, cwd: Path = ROOT, quiet: bool = True) -> s
     args = [str(c) for c in cmd]
     if not quiet:
         print("+", " ".join(args), flush=True)
-    proc = subprocess.run(
-        args, cwd=cwd, env=clean_env(), capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        output = (proc.stdout + proc.stderr)[-6000:]
-        raise StepError(
-            f"command failed with exit code {proc.returncode} (expected 0) in {cwd}:\n"
-            f"  {' '.join(args)}\n{output}"
+    if echo:
+        returncode, output = _run_echoing(args, cwd)
+        errors = ""  # merged into output
+    else:
+        proc = subprocess.run(
+            args, cwd=cwd, env=clean_env(), capture_output=True, text=True, check=False
         )
-    return proc.stdout
+        returncode, output, errors = proc.returncode, proc.stdout, proc.stderr
+    if returncode != 0:
+        raise StepError(
+            f"command failed with exit code {returncode} (expected 0) in {cwd}:\n"
+            f"  {' '.join(args)}\n{(output + errors)[-6000:]}"
+        )
+    return output
+
+
+def _run_echoing(args: list[str], cwd: Path) -> tuple[int, str]:
+    """Run ``args``, printing each output line as it arrives; return (exit code, output)."""
+    lines: list[str] = []
+    with subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    return proc.returncode, "".join(lines)
 
 
 def read_version(pyproject: Path) -> str:
@@ -587,7 +615,9 @@ def install_fresh(
     return fresh
 
 
-def run_package_tests(python: Path, package: Package, pytest_args: Sequence[str] = ()) -> str:
+def run_package_tests(
+    python: Path, package: Package, pytest_args: Sequence[str] = (), *, echo: bool = False
+) -> str:
     """Run ``package``'s tests (or ``pytest_args``) with ``python``; return pytest's output.
 
     ``python`` is an environment holding the installed wheel. pytest runs from the
@@ -600,10 +630,10 @@ def run_package_tests(python: Path, package: Package, pytest_args: Sequence[str]
     """
     if not package.tests_path.is_dir():
         raise StepError(f"{package.name}: expected its tests in {package.tests}/, found no folder")
-    cmd: list[str | Path] = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd: list[str | Path] = [python, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider"]
     if package.name == "hp-config":
         cmd += ["--confcutdir", package.tests]
-    return run([*cmd, *(pytest_args or [package.tests])])
+    return run([*cmd, *(pytest_args or [package.tests])], echo=echo)
 
 
 def run_demo(python: Path, steps: int, work: Path) -> str:
@@ -692,7 +722,7 @@ def build_install_test(
         package, wheels, work / "venv", constraints=constraints, interpreter=interpreter
     )
     say(
-        f"  {package.name} as users install it: {len(fresh.for_users)} distributions; "
+        f"  {package.name} as users install it: {_count(fresh.for_users)}; "
         f"its [{TEST_EXTRA}] extra added {', '.join(fresh.added_for_tests) or 'nothing'}"
         f" ({_since(started)})"
     )
@@ -701,9 +731,13 @@ def build_install_test(
         args = list(pytest_args) or [package.tests]
         say(f"== pytest {' '.join(args)} (in that venv)")
         started = time.monotonic()
-        summary = last_line(run_package_tests(fresh.python, package, args))
+        summary = last_line(run_package_tests(fresh.python, package, args, echo=True))
         say(f"  {summary} ({_since(started)})")
     return Rehearsal(built, fresh, full_version, summary)
+
+
+def _count(distributions: Mapping[str, str]) -> str:
+    return f"{len(distributions)} distribution{'' if len(distributions) == 1 else 's'}"
 
 
 def _since(started: float) -> str:
