@@ -43,7 +43,9 @@ def check(name: str, version: str | None, *, pytest_args: list[str] | None, demo
             print(f"== demo --steps {demo_steps} (in that venv)", flush=True)
             demo = run_demo(done.install.python, demo_steps, Path(tmp) / "demo")
             print(demo.rstrip(), flush=True)
-            result = "; ".join(filter(None, [result, f"demo: {last_line(demo)}"]))
+            verdict = [line for line in demo.splitlines() if line.startswith("max |delta loss|")]
+            demo_result = f"demo --steps {demo_steps}: {(verdict or [last_line(demo)])[0]}"
+            result = "; ".join(filter(None, [result, demo_result]))
     return f"{name} on CPython {done.python_version}: {result or 'installed'}"
 
 

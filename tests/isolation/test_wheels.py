@@ -11,6 +11,7 @@ import pytest
 from hp_workspace import (
     PACKAGES,
     ROOT,
+    TEST_EXTRA,
     Built,
     read_version,
     wheel_entry_points,
@@ -83,8 +84,18 @@ def test_inter_package_requirements_are_ranges_containing_current_versions(
         )
 
 
-def test_hp_config_wheel_declares_no_dependencies(wheels: dict[str, Path]) -> None:
-    assert [str(r) for r in wheel_requirements(wheels["hp-config"])] == []
+def test_hp_config_wheel_declares_no_dependencies_outside_its_test_extra(
+    wheels: dict[str, Path],
+) -> None:
+    requirements = wheel_requirements(wheels["hp-config"])
+    for_users = [
+        str(r) for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})
+    ]
+    assert for_users == []
+    assert all(
+        r.marker is not None and r.marker.evaluate({"extra": TEST_EXTRA}) for r in requirements
+    )
+    assert "torch" not in {r.name for r in requirements}
 
 
 def test_platform_torch_lists_torch_npu_only_under_npu_extra(wheels: dict[str, Path]) -> None:

@@ -120,9 +120,15 @@ def test_ctrl_c_kills_every_rank_and_reraises(tmp_path: Path) -> None:
             time.sleep(0.05)
         signal.pthread_kill(main, signal.SIGINT)
 
-    threading.Thread(target=interrupt_when_started, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_on_ranks(_rank_zero_hangs, 2, str(tmp_path), timeout_s=120)
+    # A shell starts background jobs (`bash .ci/run &`, nohup) with SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler: install the one a terminal has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_when_started, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_on_ranks(_rank_zero_hangs, 2, str(tmp_path), timeout_s=120)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pids = _pids(tmp_path)
     assert len(pids) == 2
     assert _wait_gone(pids) == []
