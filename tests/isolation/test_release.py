@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
+import check_install
 import release
 from hp_workspace import (
     PACKAGES,
     ROOT,
     StepError,
+    find_python,
+    python_version,
     read_pyproject,
     read_version,
     workspace_closure,
@@ -134,3 +137,19 @@ def test_readme_demo_samples_match_a_real_run_of_the_demo(tmp_path: Path) -> Non
         where = readme.relative_to(ROOT)
         assert sample_collectives == collectives, f"{where}: sample collectives are stale"
         assert sample_plan and set(sample_plan) <= set(plan), f"{where}: sample plan is stale"
+
+
+def test_find_python_finds_a_working_cpython_of_the_asked_version() -> None:
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    found = find_python(version)
+    assert found is not None
+    assert python_version(found).startswith(f"{version}.")
+    assert find_python("3.99") is None
+
+
+def test_check_install_skips_an_absent_python_with_a_notice_and_fails_with_require(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert check_install.main(["hp-config", "--python", "3.99"]) == 0
+    assert "NOTICE: CPython 3.99 not found" in capsys.readouterr().out
+    assert check_install.main(["hp-config", "--python", "3.99", "--require"]) == 1
