@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
@@ -682,7 +682,6 @@ def build_install_test(
     workspace: Path = ROOT,
     interpreter: Path | str = sys.executable,
     pytest_args: Sequence[str] | None = (),
-    say: Callable[[str], None] = print,
 ) -> Rehearsal:
     """Build ``package`` alone, install it into a fresh venv as its users do, and test it there.
 
@@ -700,7 +699,7 @@ def build_install_test(
         '176 passed in 5.01s'
     """
     version = read_version(workspace / "packages" / package.folder / "pyproject.toml")
-    say(f"== build {package.name} {version} (uv build --package {package.name})")
+    _say(f"== build {package.name} {version} (uv build --package {package.name})")
     started = time.monotonic()
     built = build(package, work / "dist", workspace=workspace)
     assert built.sdist is not None
@@ -709,19 +708,19 @@ def build_install_test(
         wheels[dependency.name] = build(
             dependency, work / "deps", workspace=workspace, sdist=False
         ).wheel
-    say(
+    _say(
         f"  built {built.wheel.name}, {built.sdist.name}; siblings: {_names(wheels, package)}"
         f" ({_since(started)})"
     )
 
     full_version = python_version(Path(interpreter))
-    say(f"== install into a fresh venv (CPython {full_version})")
+    _say(f"== install into a fresh venv (CPython {full_version})")
     started = time.monotonic()
     constraints = locked_constraints(work / "constraints.txt")
     fresh = install_fresh(
         package, wheels, work / "venv", constraints=constraints, interpreter=interpreter
     )
-    say(
+    _say(
         f"  {package.name} as users install it: {_count(fresh.for_users)}; "
         f"its [{TEST_EXTRA}] extra added {', '.join(fresh.added_for_tests) or 'nothing'}"
         f" ({_since(started)})"
@@ -729,11 +728,15 @@ def build_install_test(
     summary = ""
     if pytest_args is not None:
         args = list(pytest_args) or [package.tests]
-        say(f"== pytest {' '.join(args)} (in that venv)")
+        _say(f"== pytest {' '.join(args)} (in that venv)")
         started = time.monotonic()
         summary = last_line(run_package_tests(fresh.python, package, args, echo=True))
-        say(f"  {summary} ({_since(started)})")
+        _say(f"  {summary} ({_since(started)})")
     return Rehearsal(built, fresh, full_version, summary)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def _count(distributions: Mapping[str, str]) -> str:
