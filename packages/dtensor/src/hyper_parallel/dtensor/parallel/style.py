@@ -128,7 +128,67 @@ def _from_dtensor_output(output: Any, output_layouts: Layouts, use_local_output:
     return output.to_local() if use_local_output else output
 
 
-class ColwiseParallel(ParallelStyle):
+class _LinearStyle(ParallelStyle):
+    """What ColwiseParallel and RowwiseParallel share: arguments, checks, and distribution."""
+
+    _default_input: Placement
+    _default_output: Placement
+    desired_input_layouts: Layouts
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layouts: Layouts = (input_layouts or self._default_input,)
+        self.output_layouts: Layouts = (output_layouts or self._default_output,)
+        self.use_local_output = use_local_output
+
+    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:
+        _check_1d(self, device_mesh, where)
+        _check_linear_or_embedding(self, module, where)
+        _check_fresh(module, where)
+
+    def _distribute(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        placements: dict[str, Placement],
+        kind: str,
+        keep_plain_input: bool,
+    ) -> nn.Module:
+        """Shard the parameters as ``placements``; lay inputs and outputs out as declared."""
+        src = self.src_data_rank
+        layouts, desired = self.input_layouts, self.desired_input_layouts
+        outputs, use_local = self.output_layouts, self.use_local_output
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module:
+                _shard_parameters(mod, mesh, placements, src)
+
+        distribute_module(
+            module,
+            device_mesh,
+            partition,
+            lambda mod, inputs, mesh: _to_dtensor_input(
+                inputs, mesh, layouts, desired, keep_plain_input
+            ),
+            lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
+        )
+        use_local_linear(module, kind, outputs, use_local)
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
+            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
+        )
+
+
+class ColwiseParallel(_LinearStyle):
     """Shard an ``nn.Linear`` by output features (an ``nn.Embedding`` by embedding dim).
 
     Input: a plain tensor is taken as ``input_layouts`` (default ``Replicate()``) and
@@ -141,53 +201,17 @@ class ColwiseParallel(ParallelStyle):
         parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     """
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-    ) -> None:
-        super().__init__()
-        self.input_layouts: Layouts = (input_layouts or Replicate(),)
-        self.output_layouts: Layouts = (output_layouts or Shard(-1),)
-        self.desired_input_layouts: Layouts = (Replicate(),)
-        self.use_local_output = use_local_output
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:
-        _check_1d(self, device_mesh, where)
-        _check_linear_or_embedding(self, module, where)
-        _check_fresh(module, where)
+    _default_input = Replicate()
+    _default_output = Shard(-1)
+    desired_input_layouts: Layouts = (Replicate(),)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_linear_or_embedding(self, module, type(module).__name__)
         weight_dim = 1 if isinstance(module, nn.Embedding) else 0
-        src = self.src_data_rank
-        layouts, desired = self.input_layouts, self.desired_input_layouts
-        outputs, use_local = self.output_layouts, self.use_local_output
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            if mod is module:
-                _shard_parameters(mod, mesh, {"*": Shard(weight_dim)}, src)
-
-        distribute_module(
-            module,
-            device_mesh,
-            partition,
-            lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired),
-            lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
-        )
-        use_local_linear(module, "colwise", outputs, use_local)
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
-            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
-        )
+        return self._distribute(module, device_mesh, {"*": Shard(weight_dim)}, "colwise", False)
 
 
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearStyle):
     """Shard an ``nn.Linear`` by input features (an ``nn.Embedding`` by rows, the vocabulary).
 
     Input: a plain tensor is taken as ``input_layouts`` (default ``Shard(-1)``) and
@@ -202,56 +226,20 @@ class RowwiseParallel(ParallelStyle):
         parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     """
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-    ) -> None:
-        super().__init__()
-        self.input_layouts: Layouts = (input_layouts or Shard(-1),)
-        self.output_layouts: Layouts = (output_layouts or Replicate(),)
-        self.use_local_output = use_local_output
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:
-        _check_1d(self, device_mesh, where)
-        _check_linear_or_embedding(self, module, where)
-        _check_fresh(module, where)
+    _default_input = Shard(-1)
+    _default_output = Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_linear_or_embedding(self, module, type(module).__name__)
         placements: dict[str, Placement]
         if isinstance(module, nn.Embedding):
             placements = {"*": Shard(0)}
-            self.desired_input_layouts: Layouts = (Replicate(),)
+            self.desired_input_layouts = (Replicate(),)
         else:
             placements = {"weight": Shard(1), "bias": Replicate()}
             self.desired_input_layouts = (Shard(-1),)
-        src = self.src_data_rank
-        layouts, desired = self.input_layouts, self.desired_input_layouts
-        outputs, use_local = self.output_layouts, self.use_local_output
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            if mod is module:
-                _shard_parameters(mod, mesh, placements, src)
-
-        local = local_linear_applies(module, "rowwise", outputs)
-        distribute_module(
-            module,
-            device_mesh,
-            partition,
-            lambda mod, inputs, mesh: _to_dtensor_input(inputs, mesh, layouts, desired, local),
-            lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
-        )
-        use_local_linear(module, "rowwise", outputs, use_local)
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
-            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
-        )
+        keep_plain = local_linear_applies(module, "rowwise", self.output_layouts)
+        return self._distribute(module, device_mesh, placements, "rowwise", keep_plain)
 
 
 class SequenceParallel(ParallelStyle):
