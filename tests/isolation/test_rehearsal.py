@@ -20,7 +20,7 @@ from hp_workspace import PACKAGES, read_version, workspace_closure
 
 pytestmark = pytest.mark.isolation
 
-#: What each rehearsal here runs (the README's release section lists the same).
+#: What each rehearsal here runs (docs/RELEASING.md lists the same).
 REHEARSAL_TESTS: dict[str, list[str]] = {
     # All of its tests (about 15 s).
     "hp-platform-torch": ["tests/platform"],
@@ -51,7 +51,8 @@ def test_release_rehearsal_installs_as_users_do_and_passes_tests_in_a_fresh_venv
     assert not re.search(r"\b(failed|error|errors)\b", done.tests), done.tests
 
 
-def test_readme_release_section_names_what_the_rehearsal_tests_run() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+def test_release_guide_names_what_the_rehearsal_tests_run() -> None:
+    guide = Path(__file__).resolve().parents[2] / "docs" / "RELEASING.md"
+    text = guide.read_text(encoding="utf-8")
     for name, args in REHEARSAL_TESTS.items():
-        assert " ".join(args) in readme, f"README: no `{' '.join(args)}` ({name})"
+        assert " ".join(args) in text, f"docs/RELEASING.md: no `{' '.join(args)}` ({name})"

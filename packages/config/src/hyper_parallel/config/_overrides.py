@@ -8,7 +8,7 @@ import enum
 import json
 import re
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 from hyper_parallel.config._annotations import (
@@ -79,55 +79,11 @@ def _set_at(
         return _set_at(current, annotation, steps, index + 1, raw, decoder, child_path)
 
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        cls = type(node)
-        fields = init_fields(cls)
-        if step not in fields:
-            every = {f.name for f in dataclasses.fields(cls)}
-            if step in every:
-                raise ConfigError(
-                    f"field {step!r} of {format_type(cls)} is init=False and cannot be overridden",
-                    path=child_path,
-                )
-            raise ConfigError(
-                f"unknown field {step!r} for {format_type(cls)}{did_you_mean(step, fields)}",
-                path=child_path,
-            )
-        value = new_value(getattr(node, step), resolved_field_types(cls)[step])
-        try:
-            with checked_elsewhere():  # the value was parsed by this field's annotation
-                return dataclasses.replace(node, **{step: value})
-        except (TypeError, ValueError) as err:
-            if isinstance(err, ConfigError):
-                raise relocate(err, path) from err
-            raise ConfigError(
-                f"{format_type(cls)} rejected the value: {err}", path=child_path
-            ) from err
+        return _set_field(node, step, path, new_value)
     if isinstance(node, (list, tuple)):
-        if not step.isdigit():
-            raise ConfigError(f"expected a list index, found {step!r}", path=child_path)
-        position = int(step)
-        if position >= len(node):
-            raise ConfigError(
-                f"expected an index below {len(node)} (length of the {type(node).__name__}), "
-                f"found {position}",
-                path=child_path,
-            )
-        items = list(node)
-        items[position] = new_value(node[position], item_type(declared, position))
-        return tuple(items) if isinstance(node, tuple) else items
+        return _set_item(node, declared, step, child_path, new_value)
     if isinstance(node, dict):
-        key_type, value_type = mapping_types(declared)
-        key = _find_key(node, step)
-        if key is _MISSING:
-            if not last:
-                names = [_key_text(k) for k in node]
-                raise ConfigError(
-                    f"unknown key {step!r}{did_you_mean(step, names)}", path=child_path
-                )
-            key = parse_text(step, key_type, child_path, decoder)  # a new entry
-        out = dict(node)
-        out[key] = new_value(node.get(key), value_type)
-        return out
+        return _set_entry(node, declared, step, child_path, last, decoder, new_value)
     if node is None:
         raise ConfigError(
             f"is None; cannot set {'.'.join(steps)} below it (set it first)", path=path
@@ -136,6 +92,76 @@ def _set_at(
         f"cannot set {step!r}: expected a config, list, tuple or dict, found {describe(node)}",
         path=path,
     )
+
+
+#: ``(current value, declared type) -> new value`` of the step being set.
+_NewValue = Callable[[object, object], object]
+
+
+def _set_field(node: Any, step: str, path: str, new_value: _NewValue) -> Any:
+    """A copy of the config ``node`` whose field ``step`` holds ``new_value(...)``."""
+    cls = type(node)
+    child_path = join_path(path, step)
+    fields = init_fields(cls)
+    if step not in fields:
+        every = {f.name for f in dataclasses.fields(cls)}
+        if step in every:
+            raise ConfigError(
+                f"field {step!r} of {format_type(cls)} is init=False and cannot be overridden",
+                path=child_path,
+            )
+        raise ConfigError(
+            f"unknown field {step!r} for {format_type(cls)}{did_you_mean(step, fields)}",
+            path=child_path,
+        )
+    value = new_value(getattr(node, step), resolved_field_types(cls)[step])
+    try:
+        with checked_elsewhere():  # the value was parsed by this field's annotation
+            return dataclasses.replace(node, **{step: value})
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise relocate(err, path) from err
+        raise ConfigError(f"{format_type(cls)} rejected the value: {err}", path=child_path) from err
+
+
+def _set_item(
+    node: list[Any] | tuple[Any, ...], declared: object, step: str, path: str, new_value: _NewValue
+) -> list[Any] | tuple[Any, ...]:
+    """A copy of the list or tuple ``node`` whose item ``step`` (an index) is replaced."""
+    if not step.isdigit():
+        raise ConfigError(f"expected a list index, found {step!r}", path=path)
+    position = int(step)
+    if position >= len(node):
+        raise ConfigError(
+            f"expected an index below {len(node)} (length of the {type(node).__name__}), "
+            f"found {position}",
+            path=path,
+        )
+    items = list(node)
+    items[position] = new_value(node[position], item_type(declared, position))
+    return tuple(items) if isinstance(node, tuple) else items
+
+
+def _set_entry(
+    node: dict[Any, Any],
+    declared: object,
+    step: str,
+    path: str,
+    last: bool,
+    decoder: Decoder,
+    new_value: _NewValue,
+) -> dict[Any, Any]:
+    """A copy of the dict ``node`` whose entry ``step`` is replaced (added when it is the last step)."""
+    key_type, value_type = mapping_types(declared)
+    key = _find_key(node, step)
+    if key is _MISSING:
+        if not last:
+            names = [_key_text(k) for k in node]
+            raise ConfigError(f"unknown key {step!r}{did_you_mean(step, names)}", path=path)
+        key = parse_text(step, key_type, path, decoder)  # a new entry
+    out = dict(node)
+    out[key] = new_value(node.get(key), value_type)
+    return out
 
 
 _MISSING = object()
