@@ -144,3 +144,37 @@ def test_load_hf_names_missing_and_mis_shaped_keys_before_loading(tmp_path: Path
     assert "model.layers.2.self_attn.q_proj.weight" in str(info.value)
     assert "model.layers.0.mlp.gate_proj.weight: file (40, 16), model (48, 16)" in str(info.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class _RenameOnly:
+    """An adapter of a model that is not llama-ref: renames keys, knows no config.json."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"m.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("m."): v for k, v in hf_state_dict.items()}
+
+
+def test_save_hf_takes_config_json_from_the_adapter_not_from_the_model_class(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"Linear .*_RenameOnly has no hf_config\(\).*config="):
+        save_hf(model, tmp_path / "none", adapter=_RenameOnly())
+    assert not (tmp_path / "none" / "config.json").exists()
+    save_hf(model, tmp_path / "given", adapter=_RenameOnly(), config={"model_type": "toy"})
+    assert json.loads((tmp_path / "given" / "config.json").read_text()) == {"model_type": "toy"}
+
+
+def test_checkpoint_package_does_not_import_the_reference_models() -> None:
+    import ast
+
+    import hyper_parallel.dmodule.checkpoint as checkpoint
+
+    for path in Path(checkpoint.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("hyper_parallel.dmodule.models"), (
+                    f"{path.name} imports {node.module}: ask the ModelSpec's adapter instead"
+                )

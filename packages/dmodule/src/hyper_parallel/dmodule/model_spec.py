@@ -41,7 +41,8 @@ class StateDictAdapter(Protocol):
     """What ``ModelSpec.state_dict_adapter(config)`` builds: our keys to Hugging Face's and back.
 
     ``to_hf``/``from_hf`` map dicts whose values pass through unchanged (so that
-    ``load_hf`` can read each rank's slice of each tensor on its own).
+    ``load_hf`` can read each rank's slice of each tensor on its own). An adapter may also
+    have ``hf_config() -> dict``, the ``config.json`` that ``save_hf`` writes by default.
     """
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def save_hf(
 
     One tensor is gathered at a time; rank 0 holds at most one safetensors shard of
     ``max_shard_bytes`` before writing it. ``config`` is the ``config.json``
-    (default: from the model's config, for llama-ref via ``llama_config_to_hf``).
+    (default: the adapter's ``hf_config()``; llama-ref's gives ``llama_config_to_hf``).
 
     Example::
 
@@ -192,7 +192,7 @@ def save_hf(
     platform = get_platform()
     rank = platform.get_rank() if platform.is_initialized() else 0
     if config is None:
-        config = _default_config(model)
+        config = _default_config(model, adapter)
     sizes = [(fqn, state[fqn].numel() * state[fqn].element_size()) for fqn in names]
     plan = list(_shards(sizes, max_shard_bytes))
     safetensors = _safetensors()
@@ -226,13 +226,13 @@ def save_hf(
     agree(False, device_type)  # every rank sees the finished directory
 
 
-def _default_config(model: torch.nn.Module) -> dict[str, Any]:
-    from hyper_parallel.dmodule.models.llama import Llama
-    from hyper_parallel.dmodule.models.llama_hf import llama_config_to_hf
-
-    config = getattr(model, "config", None)
-    if isinstance(config, Llama.Config):
-        return llama_config_to_hf(config)
+def _default_config(model: torch.nn.Module, adapter: StateDictAdapter) -> dict[str, Any]:
+    """The adapter's ``hf_config()`` (its model's ``config.json``), when it has one."""
+    hf_config = getattr(adapter, "hf_config", None)
+    if callable(hf_config):
+        config: dict[str, Any] = hf_config()
+        return config
     raise ValueError(
-        f"save_hf: no config.json known for {type(model).__name__}; pass config= (a dict)"
+        f"save_hf: no config.json known for {type(model).__name__} (its adapter "
+        f"{type(adapter).__name__} has no hf_config()); pass config= (a dict)"
     )

@@ -73,6 +73,10 @@ class LlamaStateDictAdapter:
             for k, v in hf_state_dict.items()
         }
 
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` of the model (what ``save_hf`` writes by default)."""
+        return llama_config_to_hf(self.config)
+
 
 def _read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory)
