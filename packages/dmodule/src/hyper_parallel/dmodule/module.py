@@ -13,7 +13,7 @@ from hyper_parallel.config import ConfigError, Configurable, enforce_module_conf
 from hyper_parallel.dmodule._forward import ForwardPlan
 from hyper_parallel.dmodule.local_map import local_states
 from hyper_parallel.dmodule.sharding import ShardingConfig
-from hyper_parallel.dmodule.validation import ShardingError, plan_parallelize
+from hyper_parallel.dmodule.planner import ShardingError, plan_parallelize
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
 from hyper_parallel.platform import get_platform
 

@@ -1,4 +1,4 @@
-"""Check a model's sharding declarations against a mesh, reporting every problem at once."""
+"""Plan a model's parallelization against a mesh: each state's layout, each forward's boundaries, every problem at once."""
 
 from __future__ import annotations
 
@@ -131,17 +131,15 @@ def plan_parallelize(
             f"parallelize: the mesh {mesh} has no mesh_dim_names; sharding_config names "
             "mesh axes, so create it with init_device_mesh(..., mesh_dim_names=(...))"
         ]
-    axes = tuple(names)
+    planner = _Planner(mesh, tuple(names))
     plans: list[ModulePlan] = []
-    problems: list[str] = []
-    claimed: dict[int, tuple[str, list[Placement]]] = {}
     local_map_roots: list[str] = []
     for path, sub in model.named_modules(remove_duplicate=True):
         if not _is_dmodule(sub):
             continue
         label = _label(sub, path)
         if sub.is_parallelized:
-            problems.append(
+            planner.problems.append(
                 f"{label}: already parallelized; Module.parallelize() may be called at most "
                 "once per module"
             )
@@ -152,19 +150,21 @@ def plan_parallelize(
         if sc is None:
             continue
         if not isinstance(sc, ShardingConfig):
-            problems.append(f"{label}: expected a ShardingConfig, found {type(sc).__name__}")
+            planner.problems.append(
+                f"{label}: expected a ShardingConfig, found {type(sc).__name__}"
+            )
             continue
         inside = [root for root in local_map_roots if _is_within(path, root)]
         if inside and _has_io_shardings(sc):
-            problems.append(
+            planner.problems.append(
                 f"{label}: declares input/output shardings but runs inside the local_map "
                 f"block {inside[-1]!r}, whose forward sees local tensors only"
             )
-        _plan_states(plan, sc, mesh, axes, claimed, problems)
-        plan.forward = _plan_forward(sub, path, sc, mesh, axes, problems)
+        planner.plan_states(plan, sc)
+        plan.forward = planner.plan_forward(sub, path, sc)
         if sc.local_map is not None:
             local_map_roots.append(path)
-    return plans, problems
+    return plans, planner.problems
 
 
 def _label(module: torch.nn.Module, path: str) -> str:
@@ -210,88 +210,10 @@ def _find_state(module: torch.nn.Module, path: str) -> tuple[torch.nn.Module, st
     return f"no parameter or buffer {path!r}; it has {known}"
 
 
-def _resolve(
-    named: NamedPlacement, axes: tuple[str, ...], where: str, problems: list[str]
-) -> list[Placement] | None:
-    try:
-        return resolve_placements(named, axes, where=where)
-    except (TypeError, ValueError) as error:
-        problems.append(str(error))
-        return None
-
-
 def _normalized(
     placements: list[Placement] | tuple[Placement, ...], ndim: int, where: str
 ) -> tuple[Placement, ...]:
     return normalize_placements(tuple(placements), len(placements), ndim, where=where)
-
-
-def _plan_states(
-    plan: ModulePlan,
-    sc: ShardingConfig,
-    mesh: DeviceMesh,
-    axes: tuple[str, ...],
-    claimed: dict[int, tuple[str, list[Placement]]],
-    problems: list[str],
-) -> None:
-    module, path = plan.module, plan.path
-    if not isinstance(sc.state_shardings, Mapping):
-        problems.append(
-            f"{_label(module, path)}: state_shardings must map state paths to placements, "
-            f"found {sc.state_shardings!r}"
-        )
-        return
-    for state_path, named in sc.state_shardings.items():
-        where = _where(module, path, state_path)
-        found = _find_state(module, state_path)
-        if isinstance(found, str):
-            problems.append(f"{where}: sharding_config names a state that does not exist: {found}")
-            continue
-        owner, name, is_parameter = found
-        tensor = (owner._parameters if is_parameter else owner._buffers)[name]
-        if tensor is None:
-            problems.append(f"{where}: the state is None; only tensors can be sharded")
-            continue
-        placements = _resolve(named, axes, where, problems)
-        if placements is None:
-            continue
-        bad = False
-        for axis, p in zip(axes, placements, strict=True):
-            if isinstance(p, Partial):
-                problems.append(
-                    f"{where}: mesh axis {axis!r}: states are laid out with Shard(dim) or "
-                    f"Replicate(), found {p!r}"
-                )
-                bad = True
-            elif isinstance(p, Shard) and not -tensor.ndim <= p.dim < tensor.ndim:
-                problems.append(
-                    f"{where}: mesh axis {axis!r}: Shard(dim={p.dim}) is out of range for a "
-                    f"tensor of shape {tuple(tensor.shape)} ({tensor.ndim} dims)"
-                )
-                bad = True
-        if bad:
-            continue
-        wanted = _normalized(placements, tensor.ndim, where)
-        if isinstance(tensor, DTensor):
-            if (
-                tensor.device_mesh != mesh
-                or _normalized(tensor.placements, tensor.ndim, where) != wanted
-            ):
-                problems.append(
-                    f"{where}: already a DTensor on {tensor.device_mesh} with placements "
-                    f"{tensor.placements}, but sharding_config expects {list(wanted)} on {mesh}"
-                )
-            continue
-        previous = claimed.get(id(tensor))
-        if previous is not None:
-            if _normalized(previous[1], tensor.ndim, where) != wanted:
-                problems.append(
-                    f"{where}: the same tensor is also {previous[0]} with placements "
-                    f"{previous[1]}; a shared state has one layout, found {placements}"
-                )
-            continue
-        claimed[id(tensor)] = (where, placements)
-        plan.states.append(StatePlan(owner, name, tensor, placements, is_parameter))
 
 
 def _grad_placements_by_name(
@@ -315,70 +237,151 @@ def _grad_placements_by_name(
     return {name: entry for name, entry in zip(positional, spec, strict=False) if entry is not None}
 
 
-def _plan_forward(
-    module: torch.nn.Module,
-    path: str,
-    sc: ShardingConfig,
-    mesh: DeviceMesh,
-    axes: tuple[str, ...],
-    problems: list[str],
-) -> ForwardPlan | None:
-    if not _has_io_shardings(sc) and sc.local_map is None:
-        return None
-    label = _label(module, path)
-    positional, named, var_kw = forward_signature(type(module))
-    resolved: dict[str, dict[str, tuple[Placement, ...]]] = {}
-    grad_spec = (
-        _grad_placements_by_name(
-            sc.local_map.in_grad_placements, label, module, positional, problems
-        )
-        if sc.local_map is not None
-        else None
-    )
-    for kind, spec in (
-        ("in_src_shardings", sc.in_src_shardings),
-        ("in_dst_shardings", sc.in_dst_shardings),
-        ("local_map.in_grad_placements", grad_spec),
-    ):
-        resolved[kind] = {}
-        if spec is None:
-            continue
-        if not isinstance(spec, Mapping):
-            problems.append(
-                f"{label}: {kind} must map forward argument names to placements, found {spec!r}"
+@dataclass
+class _Planner:
+    """Resolves each module's sharding against one mesh, collecting every problem found.
+
+    ``claimed`` remembers which module first laid out a tensor, so a state shared by two
+    modules gets one layout (or a problem naming both).
+    """
+
+    mesh: DeviceMesh
+    axes: tuple[str, ...]
+    problems: list[str] = field(default_factory=list)
+    claimed: dict[int, tuple[str, list[Placement]]] = field(default_factory=dict)
+
+    def _resolve(self, named: NamedPlacement, where: str) -> list[Placement] | None:
+        try:
+            return resolve_placements(named, self.axes, where=where)
+        except (TypeError, ValueError) as error:
+            self.problems.append(str(error))
+            return None
+
+    def plan_states(self, plan: ModulePlan, sc: ShardingConfig) -> None:
+        """Append to ``plan.states`` the layout of each state ``sc`` names."""
+        module, path = plan.module, plan.path
+        if not isinstance(sc.state_shardings, Mapping):
+            self.problems.append(
+                f"{_label(module, path)}: state_shardings must map state paths to placements, "
+                f"found {sc.state_shardings!r}"
             )
-            continue
-        for arg, item in spec.items():
-            where = f"{_where(module, path, arg)} ({kind})"
-            if arg not in named and not var_kw:
-                problems.append(
-                    f"{label}: {kind} names argument {arg!r}, which {type(module).__name__}."
-                    f"forward does not take; its arguments are {sorted(named)}"
+            return
+        for state_path, named in sc.state_shardings.items():
+            where = _where(module, path, state_path)
+            found = _find_state(module, state_path)
+            if isinstance(found, str):
+                self.problems.append(
+                    f"{where}: sharding_config names a state that does not exist: {found}"
                 )
                 continue
-            placements = _resolve(item, axes, where, problems)
-            if placements is not None:
-                resolved[kind][arg] = tuple(placements)
-    outputs: dict[str, OutputLayout | None] = {}
-    for kind, out_spec in (
-        ("out_src_shardings", sc.out_src_shardings),
-        ("out_dst_shardings", sc.out_dst_shardings),
-    ):
-        outputs[kind] = None
-        if out_spec is None:
-            continue
-        try:
-            outputs[kind] = resolve_output_layout(out_spec, axes, where=f"{label} ({kind})")
-        except (TypeError, ValueError) as error:
-            problems.append(str(error))
-    return ForwardPlan(
-        owner=label,
-        mesh=mesh,
-        positional_names=positional,
-        in_src=resolved["in_src_shardings"],
-        in_dst=resolved["in_dst_shardings"],
-        out_src=outputs["out_src_shardings"],
-        out_dst=outputs["out_dst_shardings"],
-        local_map=sc.local_map is not None,
-        in_grad=resolved["local_map.in_grad_placements"],
-    )
+            owner, name, is_parameter = found
+            tensor = (owner._parameters if is_parameter else owner._buffers)[name]
+            if tensor is None:
+                self.problems.append(f"{where}: the state is None; only tensors can be sharded")
+                continue
+            placements = self._resolve(named, where)
+            if placements is None:
+                continue
+            bad = False
+            for axis, p in zip(self.axes, placements, strict=True):
+                if isinstance(p, Partial):
+                    self.problems.append(
+                        f"{where}: mesh axis {axis!r}: states are laid out with Shard(dim) or "
+                        f"Replicate(), found {p!r}"
+                    )
+                    bad = True
+                elif isinstance(p, Shard) and not -tensor.ndim <= p.dim < tensor.ndim:
+                    self.problems.append(
+                        f"{where}: mesh axis {axis!r}: Shard(dim={p.dim}) is out of range for a "
+                        f"tensor of shape {tuple(tensor.shape)} ({tensor.ndim} dims)"
+                    )
+                    bad = True
+            if bad:
+                continue
+            wanted = _normalized(placements, tensor.ndim, where)
+            if isinstance(tensor, DTensor):
+                if (
+                    tensor.device_mesh != self.mesh
+                    or _normalized(tensor.placements, tensor.ndim, where) != wanted
+                ):
+                    self.problems.append(
+                        f"{where}: already a DTensor on {tensor.device_mesh} with placements "
+                        f"{tensor.placements}, but sharding_config expects {list(wanted)} on {self.mesh}"
+                    )
+                continue
+            previous = self.claimed.get(id(tensor))
+            if previous is not None:
+                if _normalized(previous[1], tensor.ndim, where) != wanted:
+                    self.problems.append(
+                        f"{where}: the same tensor is also {previous[0]} with placements "
+                        f"{previous[1]}; a shared state has one layout, found {placements}"
+                    )
+                continue
+            self.claimed[id(tensor)] = (where, placements)
+            plan.states.append(StatePlan(owner, name, tensor, placements, is_parameter))
+
+    def plan_forward(
+        self, module: torch.nn.Module, path: str, sc: ShardingConfig
+    ) -> ForwardPlan | None:
+        """The resolved input/output layouts of ``module``'s forward (None: it declares none)."""
+        if not _has_io_shardings(sc) and sc.local_map is None:
+            return None
+        label = _label(module, path)
+        positional, named, var_kw = forward_signature(type(module))
+        resolved: dict[str, dict[str, tuple[Placement, ...]]] = {}
+        grad_spec = (
+            _grad_placements_by_name(
+                sc.local_map.in_grad_placements, label, module, positional, self.problems
+            )
+            if sc.local_map is not None
+            else None
+        )
+        for kind, spec in (
+            ("in_src_shardings", sc.in_src_shardings),
+            ("in_dst_shardings", sc.in_dst_shardings),
+            ("local_map.in_grad_placements", grad_spec),
+        ):
+            resolved[kind] = {}
+            if spec is None:
+                continue
+            if not isinstance(spec, Mapping):
+                self.problems.append(
+                    f"{label}: {kind} must map forward argument names to placements, found {spec!r}"
+                )
+                continue
+            for arg, item in spec.items():
+                where = f"{_where(module, path, arg)} ({kind})"
+                if arg not in named and not var_kw:
+                    self.problems.append(
+                        f"{label}: {kind} names argument {arg!r}, which {type(module).__name__}."
+                        f"forward does not take; its arguments are {sorted(named)}"
+                    )
+                    continue
+                placements = self._resolve(item, where)
+                if placements is not None:
+                    resolved[kind][arg] = tuple(placements)
+        outputs: dict[str, OutputLayout | None] = {}
+        for kind, out_spec in (
+            ("out_src_shardings", sc.out_src_shardings),
+            ("out_dst_shardings", sc.out_dst_shardings),
+        ):
+            outputs[kind] = None
+            if out_spec is None:
+                continue
+            try:
+                outputs[kind] = resolve_output_layout(
+                    out_spec, self.axes, where=f"{label} ({kind})"
+                )
+            except (TypeError, ValueError) as error:
+                self.problems.append(str(error))
+        return ForwardPlan(
+            owner=label,
+            mesh=self.mesh,
+            positional_names=positional,
+            in_src=resolved["in_src_shardings"],
+            in_dst=resolved["in_dst_shardings"],
+            out_src=outputs["out_src_shardings"],
+            out_dst=outputs["out_dst_shardings"],
+            local_map=sc.local_map is not None,
+            in_grad=resolved["local_map.in_grad_placements"],
+        )
