@@ -466,7 +466,7 @@ def test_loss_parallel_rejects_logits_not_sharded_on_classes_as_torch() -> None:
 
 
 def test_loss_parallel_is_a_reentrant_context_manager() -> None:
-    from hyper_parallel.dtensor._ops.losses import loss_parallel_active
+    from hyper_parallel.dtensor._loss_parallel import loss_parallel_active
 
     assert not loss_parallel_active()
     with loss_parallel():

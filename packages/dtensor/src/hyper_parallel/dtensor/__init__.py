@@ -22,15 +22,15 @@ from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
-from hyper_parallel.dtensor._planning import (
-    FallbackWarning,
+from hyper_parallel.dtensor._planning import FallbackError, FallbackWarning, strict_mode
+from hyper_parallel.dtensor._spec import normalize_placements
+from hyper_parallel.dtensor._tensor import (
+    DTensor,
     clear_plan_cache,
     fallback_counts,
     plan_cache_size,
     reset_fallback_counts,
 )
-from hyper_parallel.dtensor._spec import normalize_placements
-from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.debug import CommDebugMode
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.dtensor.device_mesh import _rebuild_mesh as _rebuild_mesh
@@ -45,6 +45,7 @@ __all__ = [
     "CommDebugMode",
     "DTensor",
     "DeviceMesh",
+    "FallbackError",
     "FallbackWarning",
     "Partial",
     "Placement",
@@ -66,5 +67,6 @@ __all__ = [
     "rand",
     "randn",
     "reset_fallback_counts",
+    "strict_mode",
     "zeros",
 ]
