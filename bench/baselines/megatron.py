@@ -16,10 +16,9 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from bench.baselines._collectives import copy_to_parallel, reduce_from_parallel
 from bench.common.harness import TPContext, gather_shards, shard_of
 from bench.common.llama import LlamaConfig, causal_attention, cross_entropy_loss, rms_norm
-
-from hyper_parallel.platform_torch.collectives import copy_to_parallel, reduce_from_parallel
 
 COLUMN_PARALLEL = (
     "attention.wq",

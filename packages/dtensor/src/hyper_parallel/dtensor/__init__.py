@@ -10,36 +10,42 @@ Example::
     w = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
 """
 
+import torch as _torch
+
 from hyper_parallel.dtensor import (
     _ops,  # noqa: F401  (registers the sharding rules)
     collectives,
 )
-from hyper_parallel.dtensor._checkpointable import register_safe_globals as _register_safe_globals
+from hyper_parallel.dtensor._checkpointable import rebuild_dtensor as _rebuild_dtensor
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
-from hyper_parallel.dtensor._planning import (
-    FallbackWarning,
+from hyper_parallel.dtensor._planning import FallbackError, FallbackWarning, strict_mode
+from hyper_parallel.dtensor._spec import normalize_placements
+from hyper_parallel.dtensor._tensor import (
+    DTensor,
     clear_plan_cache,
     fallback_counts,
     plan_cache_size,
     reset_fallback_counts,
 )
-from hyper_parallel.dtensor._spec import normalize_placements
-from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.debug import CommDebugMode
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.dtensor.device_mesh import _rebuild_mesh as _rebuild_mesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 # As torch.distributed.tensor does for its classes: torch.load(weights_only=True) may rebuild them.
-_register_safe_globals()
+_torch.serialization.add_safe_globals(
+    [DTensor, DeviceMesh, Shard, Replicate, Partial, _rebuild_mesh, _rebuild_dtensor]
+)
 
 __all__ = [
     "CommDebugMode",
     "DTensor",
     "DeviceMesh",
+    "FallbackError",
     "FallbackWarning",
     "Partial",
     "Placement",
@@ -61,5 +67,6 @@ __all__ = [
     "rand",
     "randn",
     "reset_fallback_counts",
+    "strict_mode",
     "zeros",
 ]

@@ -1,13 +1,18 @@
-"""Running torch ops on DTensors: the body of ``DTensor.__torch_dispatch__``.
+"""Running torch ops on DTensors: the dispatcher that ``DTensor.__torch_dispatch__`` calls.
 
-For each call the dispatcher builds a cache key from the argument specs and looks the
-op's plan up in its cache; on a miss planning derives it (``_planning.derive_plan``),
-and ``_planning.run_plan`` runs it. Ops with a whole-call handler (``_registry``'s
-specials) go to it. Plain tensors mixed with DTensors are an error, unless under
-:func:`implicit_replication`.
+One :class:`Dispatcher` per DTensor class (the class holds it as ``_op_dispatcher``, as
+torch's DTensor holds its ``OpDispatcher``) owns what dispatch derives: per op its
+:class:`~hyper_parallel.dtensor._planning.OpInfo` (rule, special, schema facts) and its
+plan cache. It holds the rule registry and forgets what it derived whenever a rule is
+registered.
 
-The DTensor class imports this module and passes itself in (``tensor_type``): nothing
-here imports the class, so imports flow one way.
+For each call it builds a cache key from the argument specs and looks the op's plan up;
+on a miss it derives the plan (``_planning``), then runs it. Ops with a whole-call
+handler (``_registry``'s specials) go to it. Plain tensors mixed with DTensors are an
+error, unless under :func:`implicit_replication`.
+
+The dispatcher is built for the DTensor class and holds it: nothing here imports the
+class, so imports flow one way.
 """
 
 from __future__ import annotations
@@ -19,15 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyper_parallel.dtensor import _registry
-from hyper_parallel.dtensor._planning import derive_plan, op_info, run_plan
+from hyper_parallel.dtensor._planning import OpInfo, Plan, Planner, derive_op_info
+from hyper_parallel.dtensor._registry import RuleRegistry, registry
 from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, contiguous_strides, replicate_all
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from hyper_parallel.dtensor._tensor import DTensor
 
-__all__ = ["dispatch", "dispatch_by_rules", "implicit_replication"]
+__all__ = ["Dispatcher", "implicit_replication"]
 
 TensorType = type["DTensor"]
 
@@ -57,212 +62,309 @@ class _MixedTensorError(TypeError):
     pass
 
 
+# Booleans key as tagged pairs: True == 1 and hash(True) == hash(1), so a bare bool
+# would share its cache entry (and plan, with its output dtype) with the int 1.
 _TRUE = ("bool", True)
-
-
 _FALSE = ("bool", False)
-
-
-def _seq_key(
-    tensor_type: TensorType, value: Sequence[Any], dtensors: list[DTensor], floats_by_type: bool
-) -> Any:
-    """Cache key of a list/tuple argument; collects the DTensors in it (in order)."""
-    parts: list[Any] = []
-    for v in value:
-        if isinstance(v, tensor_type):
-            dtensors.append(v)
-            parts.append(v._spec)
-        elif isinstance(v, torch.Tensor):
-            if v.ndim:
-                raise _MixedTensorError
-            parts.append((v.dtype, v.device))
-        elif isinstance(v, (list, tuple)):
-            parts.append(_seq_key(tensor_type, v, dtensors, floats_by_type))
-        elif type(v) is float:
-            parts.append(float if floats_by_type else (float, v))
-        elif type(v) is bool:
-            parts.append(_TRUE if v else _FALSE)
-        else:
-            parts.append(v)
-    return tuple(parts)
-
-
-def dispatch_by_rules(
-    tensor_type: TensorType,
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """Run ``func`` through its sharding rule (or the fallback), bypassing special handlers.
-
-    Example::
-
-        dispatch_by_rules(DTensor, torch.ops.aten.copy_.default, (dst, src), {})
-    """
-    return dispatch(tensor_type, func, args, kwargs, _specials=False)
-
-
-def dispatch(
-    tensor_type: TensorType,
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    _specials: bool = True,
-) -> Any:
-    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
-
-    This is the hot path of every op: one key, one lookup, no per-call derivation.
-
-    Example::
-
-        dispatch(DTensor, torch.ops.aten.add.Tensor, (dt, dt), {})  # what dt + dt runs
-    """
-    info = _registry.derived.get(id(func)) or op_info(func)
-    if _specials and info.special is not None:
-        return info.special(func, args, kwargs)
-    dtensors: list[DTensor] = []
-    key: list[Any] = []
-    flat_locals: list[Any] = []
-    flat = True  # no DTensor inside a list or in kwargs: flat_locals is the local call
-    by_type = info.floats_by_type
-    try:
-        for a in args:
-            if isinstance(a, tensor_type):
-                dtensors.append(a)
-                key.append(a._spec)
-                flat_locals.append(a._local_tensor)
-                continue
-            flat_locals.append(a)
-            if type(a) is list and a and type(a[0]) is int:  # int[] (schema lists are homogeneous)
-                key.append(tuple(a))
-            elif isinstance(a, (list, tuple)):
-                n = len(dtensors)
-                key.append(_seq_key(tensor_type, a, dtensors, by_type))
-                if len(dtensors) != n:
-                    flat = False
-            elif isinstance(a, torch.Tensor):
-                if a.ndim:
-                    raise _MixedTensorError
-                key.append((a.dtype, a.device))
-            elif type(a) is float:
-                key.append(float if by_type else (float, a))
-            elif type(a) is bool:
-                key.append(_TRUE if a else _FALSE)
-            else:
-                key.append(a)
-        if kwargs:
-            for name, v in kwargs.items():
-                key.append(name)
-                n = len(dtensors)
-                key.append(_seq_key(tensor_type, (v,), dtensors, by_type))
-                if len(dtensors) != n:
-                    flat = False
-    except _MixedTensorError:
-        return _mixed(tensor_type, func, args, kwargs)
-    key_t: tuple[Any, ...] | None = tuple(key)
-    try:
-        plan = info.plans.get(key_t)
-    except TypeError:  # an unhashable argument: plan without caching
-        key_t = None
-        plan = None
-    if plan is None:
-        plan = derive_plan(tensor_type, info, key_t, args, kwargs, dtensors)
-    return run_plan(tensor_type, plan, args, kwargs, dtensors, flat_locals if flat else None)
-
 
 # Ops whose plain-tensor arguments autograd itself creates in backward formulas (e.g.
 # ``index_put(grad, indices, zeros(values.shape))``): they are taken as Replicate.
 _AUTOGRAD_MIXES = {aten.index_put.default}
 
 
-def _mixed(
-    tensor_type: TensorType,
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    if (
-        _implicit_replication.get()
-        or func in _AUTOGRAD_MIXES
-        or _only_one_element_plain(tensor_type, args, kwargs)
-    ):
-        args, kwargs = _promote_plain(tensor_type, args, kwargs)
-        return dispatch(tensor_type, func, args, kwargs)
-    names = [a.name for a in func._schema.arguments]
-    where = "an argument"
-    for i, a in enumerate(args):
-        if _has_plain(tensor_type, a):
-            where = f"argument {i} ({names[i]!r})" if i < len(names) else f"argument {i}"
-            break
-    else:
-        for k, v in kwargs.items():
-            if _has_plain(tensor_type, v):
-                where = f"argument {k!r}"
-                break
-    # RuntimeError, not TypeError: Python operators (``dt + t``) turn a TypeError into
-    # "unsupported operand type(s)", hiding this message.
-    raise RuntimeError(
-        f"{func}: {where} is a plain torch.Tensor while other arguments are DTensors. Wrap it "
-        "with DTensor.from_local(...) or distribute_tensor(...), or run the op under "
-        "hyper_parallel.dtensor.implicit_replication() to treat it as Replicate()"
-    )
-
-
-def _only_one_element_plain(
-    tensor_type: TensorType, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
-    """True when every plain tensor argument holds one element: torch replicates those."""
-
-    def ok(v: Any) -> bool:
-        if isinstance(v, tensor_type):
-            return True
-        if isinstance(v, torch.Tensor):
-            return v.numel() == 1
+def _flat(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """Every argument, lists flattened, in dispatch order."""
+    out: list[Any] = []
+    for v in (*args, *kwargs.values()):
         if isinstance(v, (list, tuple)):
-            return all(ok(e) for e in v)
-        return True
-
-    return all(ok(a) for a in args) and all(ok(v) for v in kwargs.values())
-
-
-def _has_plain(tensor_type: TensorType, v: Any) -> bool:
-    if isinstance(v, tensor_type):
-        return False
-    if isinstance(v, torch.Tensor):
-        return v.ndim > 0
-    if isinstance(v, (list, tuple)):
-        return any(_has_plain(tensor_type, e) for e in v)
-    return False
+            out.extend(_flat(v, {}))
+        else:
+            out.append(v)
+    return out
 
 
-def _promote_plain(
-    tensor_type: TensorType, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Wrap plain (non-scalar) tensors as Replicate DTensors on the mesh of the first DTensor."""
-    mesh: DeviceMesh | None = None
+class Dispatcher(Planner):
+    """Dispatches torch ops on DTensors of one class: keys, caches and runs their plans.
 
-    def find(v: Any) -> None:
-        nonlocal mesh
-        if mesh is None:
+    Example::
+
+        DTensor._op_dispatcher.dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})  # dt + dt
+    """
+
+    def __init__(self, tensor_type: TensorType, rules: RuleRegistry = registry) -> None:
+        super().__init__(tensor_type)
+        self.registry = rules
+        self._infos: dict[int, OpInfo] = {}  # by id(op): the ops this dispatcher has seen
+        rules.watch(self._infos.clear)
+
+    # -- the plan cache ----------------------------------------------------------------
+
+    def op_info(self, func: torch._ops.OpOverload) -> OpInfo:
+        """The planning state of ``func`` (derived on first use, again after a registration).
+
+        Example::
+
+            DTensor._op_dispatcher.op_info(torch.ops.aten.mm.default).rule  # the mm rule
+        """
+        info = self._infos.get(id(func))
+        if info is None:
+            info = self._infos[id(func)] = derive_op_info(func, self.registry)
+        return info
+
+    def clear_plan_cache(self) -> None:
+        """Forget every cached sharding decision."""
+        for info in self._infos.values():
+            info.plans.clear()
+
+    def plan_cache_size(self) -> int:
+        """Number of cached sharding decisions."""
+        return sum(len(info.plans) for info in self._infos.values())
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        specials: bool = True,
+    ) -> Any:
+        """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
+
+        This is the hot path of every op: one key, one lookup, no per-call derivation.
+        ``specials=False`` bypasses the op's whole-call handler (a special that hands
+        the call back to the op's rule).
+
+        Example::
+
+            DTensor._op_dispatcher.dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})
+        """
+        info = self._infos.get(id(func)) or self.op_info(func)
+        if specials and info.special is not None:
+            return info.special(func, args, kwargs)
+        dtensors: list[DTensor] = []
+        parts: list[Any] = []
+        flat_locals: list[Any] = []
+        flat = True  # no DTensor inside a list or in kwargs: flat_locals is the local call
+        by_type = info.floats_by_type
+        tensor_type = self.tensor_type
+        try:
+            # Dispatcher.key inlined for the top-level arguments (it also collects the local
+            # call): one call fewer per op, measured as 2-3% of the Python calls of a
+            # DTensor train step (bench/step_bench.py); test_dispatcher checks both agree.
+            for a in args:
+                if isinstance(a, tensor_type):
+                    dtensors.append(a)
+                    parts.append(a._spec)
+                    flat_locals.append(a._local_tensor)
+                    continue
+                flat_locals.append(a)
+                if type(a) is list and a and type(a[0]) is int:
+                    parts.append(tuple(a))
+                elif isinstance(a, (list, tuple)):
+                    n = len(dtensors)
+                    parts.append(self.key(a, dtensors, by_type))
+                    if len(dtensors) != n:
+                        flat = False
+                elif isinstance(a, torch.Tensor):
+                    if a.ndim:
+                        raise _MixedTensorError
+                    parts.append((a.dtype, a.device))
+                elif type(a) is float:
+                    parts.append(float if by_type else (float, a))
+                elif type(a) is bool:
+                    parts.append(_TRUE if a else _FALSE)
+                else:
+                    parts.append(a)
+            key = tuple(parts)
+            if kwargs:
+                n = len(dtensors)
+                key = (*key, *self.key(tuple(kwargs.items()), dtensors, by_type))
+                if len(dtensors) != n:
+                    flat = False
+        except _MixedTensorError:
+            return self._mixed(func, args, kwargs)
+        try:
+            plan = info.plans.get(key)
+        except TypeError:  # an unhashable argument: plan without caching
+            plan = self.derive_plan(info, None, args, kwargs, dtensors)
+        else:
+            if plan is None:
+                plan = self.derive_plan(info, key, args, kwargs, dtensors)
+        return self.run_plan(plan, args, kwargs, dtensors, flat_locals if flat else None)
+
+    def plan_for(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Plan | None:
+        """The plan a call would run, without running it (``None``: a special takes the call).
+
+        Example::
+
+            DTensor._op_dispatcher.plan_for(torch.ops.aten.mm.default, (x, w), {}).moves
+        """
+        info = self.op_info(func)
+        if info.special is not None:
+            return None
+        dtensors = [a for a in _flat(args, kwargs) if isinstance(a, self.tensor_type)]
+        try:
+            key = self.cache_key(func, args, kwargs)
+        except _MixedTensorError:
+            raise RuntimeError(
+                f"{func}: a plain torch.Tensor among DTensor arguments; wrap it as a DTensor"
+            ) from None
+        try:
+            plan = info.plans.get(key)
+        except TypeError:
+            return self.derive_plan(info, None, args, kwargs, dtensors)
+        return plan or self.derive_plan(info, key, args, kwargs, dtensors)
+
+    def dispatch_by_rules(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run ``func`` through its sharding rule (or the fallback), bypassing its special.
+
+        Example::
+
+            DTensor._op_dispatcher.dispatch_by_rules(torch.ops.aten.copy_.default, (dst, src), {})
+        """
+        return self.dispatch(func, args, kwargs, specials=False)
+
+    def key(
+        self, values: Sequence[Any], dtensors: list[DTensor], floats_by_type: bool
+    ) -> tuple[Any, ...]:
+        """The cache key of a sequence of arguments; collects the DTensors in it (in order).
+
+        Each DTensor contributes its spec, a scalar tensor its dtype and device, a float
+        its type only where the op's rule ignores float values, anything else its value.
+        A plain tensor of rank > 0 raises ``_MixedTensorError``.
+
+        Example::
+
+            DTensor._op_dispatcher.key((dt, 2), [], False)  # (dt._spec, 2)
+        """
+        tensor_type = self.tensor_type
+        parts: list[Any] = []
+        for v in values:
             if isinstance(v, tensor_type):
-                mesh = v._spec.mesh
+                dtensors.append(v)
+                parts.append(v._spec)
+            elif (
+                type(v) is list and v and type(v[0]) is int
+            ):  # int[] (schema lists are homogeneous)
+                parts.append(tuple(v))
             elif isinstance(v, (list, tuple)):
-                for e in v:
-                    find(e)
+                parts.append(self.key(v, dtensors, floats_by_type))
+            elif isinstance(v, torch.Tensor):
+                if v.ndim:
+                    raise _MixedTensorError
+                parts.append((v.dtype, v.device))
+            elif type(v) is float:
+                parts.append(float if floats_by_type else (float, v))
+            elif type(v) is bool:
+                parts.append(_TRUE if v else _FALSE)
+            else:
+                parts.append(v)
+        return tuple(parts)
 
-    for a in (*args, *kwargs.values()):
-        find(a)
-    assert mesh is not None
+    def cache_key(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, ...]:
+        """The key under which a call's plan is cached (what ``dispatch`` computes inline).
 
-    def wrap(v: Any) -> Any:
-        if isinstance(v, tensor_type):
-            return v
-        if isinstance(v, torch.Tensor) and v.ndim > 0:
-            meta = TensorMeta(v.shape, contiguous_strides(v.shape), v.dtype)
-            return tensor_type(v, DTensorSpec(mesh, replicate_all(mesh.ndim), meta))  # type: ignore[union-attr]
+        Example::
+
+            DTensor._op_dispatcher.cache_key(torch.ops.aten.add.Tensor, (dt, dt), {})
+        """
+        by_type = self.op_info(func).floats_by_type
+        key = self.key(args, [], by_type)
+        if kwargs:
+            key = (*key, *self.key(tuple(kwargs.items()), [], by_type))
+        return key
+
+    # -- plain tensors among DTensors --------------------------------------------------
+
+    def _mixed(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if (
+            _implicit_replication.get()
+            or func in _AUTOGRAD_MIXES
+            or self._only_one_element_plain(args, kwargs)
+        ):
+            args, kwargs = self._promote_plain(args, kwargs)
+            return self.dispatch(func, args, kwargs)
+        names = [a.name for a in func._schema.arguments]
+        where = "an argument"
+        for i, a in enumerate(args):
+            if self._has_plain(a):
+                where = f"argument {i} ({names[i]!r})" if i < len(names) else f"argument {i}"
+                break
+        else:
+            for k, v in kwargs.items():
+                if self._has_plain(v):
+                    where = f"argument {k!r}"
+                    break
+        # RuntimeError, not TypeError: Python operators (``dt + t``) turn a TypeError into
+        # "unsupported operand type(s)", hiding this message.
+        raise RuntimeError(
+            f"{func}: {where} is a plain torch.Tensor while other arguments are DTensors. Wrap "
+            "it with DTensor.from_local(...) or distribute_tensor(...), or run the op under "
+            "hyper_parallel.dtensor.implicit_replication() to treat it as Replicate()"
+        )
+
+    def _only_one_element_plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """True when every plain tensor argument holds one element: torch replicates those."""
+        tensor_type = self.tensor_type
+
+        def ok(v: Any) -> bool:
+            if isinstance(v, tensor_type):
+                return True
+            if isinstance(v, torch.Tensor):
+                return v.numel() == 1
+            if isinstance(v, (list, tuple)):
+                return all(ok(e) for e in v)
+            return True
+
+        return all(ok(a) for a in args) and all(ok(v) for v in kwargs.values())
+
+    def _has_plain(self, v: Any) -> bool:
+        if isinstance(v, self.tensor_type):
+            return False
+        if isinstance(v, torch.Tensor):
+            return v.ndim > 0
         if isinstance(v, (list, tuple)):
-            return type(v)(wrap(e) for e in v)
-        return v
+            return any(self._has_plain(e) for e in v)
+        return False
 
-    return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+    def _promote_plain(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Wrap plain (non-scalar) tensors as Replicate DTensors on the mesh of the first DTensor."""
+        tensor_type = self.tensor_type
+        mesh: DeviceMesh | None = None
+
+        def find(v: Any) -> None:
+            nonlocal mesh
+            if mesh is None:
+                if isinstance(v, tensor_type):
+                    mesh = v._spec.mesh
+                elif isinstance(v, (list, tuple)):
+                    for e in v:
+                        find(e)
+
+        for a in (*args, *kwargs.values()):
+            find(a)
+        assert mesh is not None
+
+        def wrap(v: Any) -> Any:
+            if isinstance(v, tensor_type):
+                return v
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                meta = TensorMeta(v.shape, contiguous_strides(v.shape), v.dtype)
+                return tensor_type(v, DTensorSpec(mesh, replicate_all(mesh.ndim), meta))  # type: ignore[arg-type]
+            if isinstance(v, (list, tuple)):
+                return type(v)(wrap(e) for e in v)
+            return v
+
+        return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}

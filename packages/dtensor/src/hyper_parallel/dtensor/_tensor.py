@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.dtensor import _checkpointable
 from hyper_parallel.dtensor._autograd import FromLocal, Redistribute, ToLocal, ensure_leaf_grad_hook
-from hyper_parallel.dtensor._dispatch import dispatch
+from hyper_parallel.dtensor._dispatch import Dispatcher
 from hyper_parallel.dtensor._rank_check import check_local_shards
 from hyper_parallel.dtensor._redistribute import PlacementError, check_redistribute_target
 from hyper_parallel.dtensor._spec import (
@@ -31,7 +31,15 @@ from hyper_parallel.dtensor._spec import (
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.dtensor.placement_types import Placement, Shard
 
-__all__ = ["DTensor"]
+__all__ = [
+    "DTensor",
+    "clear_plan_cache",
+    "dispatch_by_rules",
+    "fallback_counts",
+    "plan_cache_size",
+    "plan_derivations",
+    "reset_fallback_counts",
+]
 
 
 class DTensor(torch.Tensor):
@@ -52,6 +60,9 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _hp_grad_hook: RemovableHandle | None
     __slots__ = ("_hp_grad_hook", "_local_tensor", "_spec")
+
+    _op_dispatcher: Dispatcher
+    """Runs every op on DTensors: rules, plan cache, fallback counts (set below the class)."""
 
     @staticmethod
     def __new__(
@@ -88,7 +99,7 @@ class DTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return dispatch(DTensor, func, args, kwargs or {})
+        return cls._op_dispatcher.dispatch(func, args, kwargs or {})
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
@@ -295,6 +306,71 @@ class DTensor(torch.Tensor):
         """
         replicated = self.redistribute(placements=replicate_all(self._spec.mesh.ndim))
         return replicated.to_local(grad_placements=grad_placements)
+
+
+DTensor._op_dispatcher = Dispatcher(DTensor)
+
+
+def dispatch_by_rules(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run ``func`` on DTensors through its sharding rule, bypassing its special (for specials).
+
+    Example::
+
+        dispatch_by_rules(torch.ops.aten.copy_.default, (dst, src), {})
+    """
+    return DTensor._op_dispatcher.dispatch(func, args, kwargs, specials=False)
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many times each op has fallen back since the process started (or the last reset).
+
+    Example::
+
+        before = fallback_counts()
+    """
+    return dict(DTensor._op_dispatcher.fallbacks)
+
+
+def reset_fallback_counts() -> None:
+    """Forget the fallback counts.
+
+    Example::
+
+        reset_fallback_counts(); y = torch.sort(dt); fallback_counts()  # {'aten.sort.default': 1}
+    """
+    DTensor._op_dispatcher.fallbacks.clear()
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached sharding decision.
+
+    Example::
+
+        clear_plan_cache(); plan_cache_size()  # 0
+    """
+    DTensor._op_dispatcher.clear_plan_cache()
+
+
+def plan_cache_size() -> int:
+    """Number of cached sharding decisions.
+
+    Example::
+
+        n = plan_cache_size(); dt + dt; dt + dt; plan_cache_size() - n  # at most 1
+    """
+    return DTensor._op_dispatcher.plan_cache_size()
+
+
+def plan_derivations() -> int:
+    """How many sharding decisions were derived (cache misses) since the process started.
+
+    Example::
+
+        n = plan_derivations(); dt + dt; dt + dt; plan_derivations() - n  # 1 (or 0 if cached)
+    """
+    return DTensor._op_dispatcher.derivations
 
 
 def _even_global_shape(

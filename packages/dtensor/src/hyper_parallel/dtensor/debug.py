@@ -23,10 +23,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.dtensor import collectives
-from hyper_parallel.dtensor._planning import fallback_counts
+from hyper_parallel.dtensor._dispatch import _flat
+from hyper_parallel.dtensor._tensor import DTensor, fallback_counts
 from hyper_parallel.dtensor.collectives import CollectiveRecord
 
-__all__ = ["CommDebugMode"]
+__all__ = ["CommDebugMode", "explain"]
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter")
 
@@ -222,3 +223,36 @@ class CommDebugMode:
 def _ordered(kinds: Iterable[str]) -> list[str]:
     known = [k for k in KINDS if k in kinds]
     return known + sorted(k for k in kinds if k not in KINDS)
+
+
+def explain(func: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> str:
+    """How hp-dtensor would run an aten op on these DTensors, without running it.
+
+    Names the rule's layout (which inputs move, from and to which placements), the
+    output placements, the in-kernel reductions the rule declares (``Decision.reduces``)
+    and the estimated bytes a rank sends; or why the op takes the fallback.
+
+    Example::
+
+        print(explain(torch.ops.aten.mm.default, x, w))
+        # aten.mm.default: sharding rule
+        #   input 1: (Shard(dim=0),) -> (Replicate(),)
+        #   ...
+    """
+    plan = DTensor._op_dispatcher.plan_for(func, args, kwargs)
+    if plan is None:
+        return f"{func}: a whole-call handler (special) takes it; it plans inside"
+    if plan.fallback:
+        return f"{func}: fallback (gather to Replicate, run on full tensors) because {plan.reason}"
+    dtensors = [a for a in _flat(args, kwargs) if isinstance(a, DTensor)]
+    lines = [f"{func}: sharding rule"]
+    for i, target in plan.moves:
+        lines.append(f"  input {i}: {dtensors[i]._spec.placements} -> {target}")
+    for j, spec in enumerate(plan.out_specs):
+        if spec is not None:
+            lines.append(f"  output {j}: {spec.placements}")
+    decision = plan.decision
+    if decision is not None and decision.reduces:
+        lines.append(f"  in-kernel all-reduce over mesh axes {decision.reduces}")
+    lines.append(f"  estimated bytes sent per rank: {plan.cost:.0f}")
+    return "\n".join(lines)

@@ -1,16 +1,23 @@
-"""``DeviceMesh``: an n-d grid of ranks with named axes and one process group per axis slice."""
+"""``DeviceMesh``: an n-d grid of ranks with named axes and one process group per axis slice.
+
+A mesh pickles as its value (device type, ranks, axis names); unpickled in a process
+that holds a mesh of the same value it reattaches to that mesh's process groups, as
+torch's mesh resolves its groups by name. Elsewhere it comes back *detached*: its
+shape, names and coordinate are there, its groups are not, and a collective on it
+raises naming the mesh to build first.
+"""
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyper_parallel.dtensor import _checkpointable
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -19,6 +26,18 @@ if TYPE_CHECKING:
 __all__ = ["DeviceMesh", "current_mesh", "init_device_mesh"]
 
 Axis = int | str
+
+MeshKey = tuple[str, tuple[int, ...], tuple[int, ...], "tuple[str, ...] | None"]
+
+# The meshes alive in this process, by value: what an unpickled mesh reattaches to.
+# Weak, so a mesh nobody holds is not kept alive (nor its groups) by having been built.
+_live_meshes: weakref.WeakValueDictionary[MeshKey, DeviceMesh] = weakref.WeakValueDictionary()
+
+
+def _remember_mesh(mesh: DeviceMesh) -> None:
+    """Record ``mesh``, which holds its process groups, as the live mesh of its value."""
+    _live_meshes.setdefault(mesh._value_key, mesh)
+
 
 # The meshes entered with ``with mesh:``, innermost last (torch's mesh stack).
 _entered: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("hp_entered_meshes", default=())
@@ -98,7 +117,7 @@ class DeviceMesh:
         if duplicates:
             raise ValueError(f"DeviceMesh: each rank may appear once; repeated ranks {duplicates}")
         self._setup(device_type, ranks, names, platform.get_rank(), groups=None)
-        _checkpointable.remember_mesh(self)
+        _remember_mesh(self)
 
     def _setup(
         self,
@@ -119,7 +138,7 @@ class DeviceMesh:
         self.ndim = len(self._shape)
         self._groups = dict(groups) if groups is not None else self._create_groups()
         self._sub_meshes: dict[tuple[str, ...], DeviceMesh] = {}
-        self._value_key: _checkpointable.MeshKey = (
+        self._value_key: MeshKey = (
             device_type,
             self._shape,
             tuple(ranks.flatten().tolist()),
@@ -282,7 +301,7 @@ class DeviceMesh:
         sub._setup(self.device_type, sub_ranks, wanted, self._rank, groups)
         # Held by the parent, so a pickled DTensor of a sub-mesh finds it while the parent lives.
         self._sub_meshes[wanted] = sub
-        _checkpointable.remember_mesh(sub)
+        _remember_mesh(sub)
         return sub
 
     # -- context manager -------------------------------------------------------------
@@ -314,8 +333,12 @@ class DeviceMesh:
         return self
 
     def __reduce__(self) -> tuple[Callable[..., DeviceMesh], tuple[object, ...]]:
-        # Pickled by value; reattached to this process's mesh of that value (see _checkpointable).
-        return _checkpointable.reduce_mesh(self)
+        # Pickled by value, with the rank that pickled it; reattached to this process's
+        # mesh of that value (see the module docstring).
+        return (
+            _rebuild_mesh,
+            (self.device_type, self.mesh.tolist(), self.mesh_dim_names, self._rank),
+        )
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -352,6 +375,21 @@ class DeviceMesh:
                 f"(ranks {sorted(self.mesh.flatten().tolist())})"
             )
         return self._coordinate
+
+
+def _rebuild_mesh(
+    device_type: str, ranks: list[Any], mesh_dim_names: tuple[str, ...] | None, rank: int
+) -> DeviceMesh:
+    """Unpickle a mesh: the live mesh of that value, else a detached one (no groups)."""
+    tensor = torch.tensor(ranks, dtype=torch.int64)
+    names = None if mesh_dim_names is None else tuple(mesh_dim_names)
+    key: MeshKey = (device_type, tuple(tensor.shape), tuple(tensor.flatten().tolist()), names)
+    live = _live_meshes.get(key)
+    if live is not None:
+        return live
+    detached = DeviceMesh.__new__(DeviceMesh)
+    detached._setup(device_type, tensor, names, rank, groups={})
+    return detached
 
 
 def init_device_mesh(

@@ -2,8 +2,8 @@
 
 ``TorchPlatform`` implements ``hyper_parallel.platform.Platform`` and is registered
 under the entry point ``torch`` of the group ``hyper_parallel.platforms``.
-Submodules: ``comm`` (out-of-place collectives), ``collectives`` (differentiable
-collectives), ``devices`` (device specifics), ``launch`` (``run_distributed``).
+Submodules: ``comm`` (out-of-place collectives), ``devices`` (device specifics),
+``launch`` (``run_distributed``).
 
 Example::
 

@@ -5,11 +5,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from hyper_parallel.dtensor._registry import Decision, OpCall
+from hyper_parallel.dtensor._registry import Decision, Declined, OpCall
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Candidate", "choose", "local_bytes", "redistribute_cost", "written_outputs"]
+__all__ = [
+    "Candidate",
+    "choose",
+    "decision_cost",
+    "local_bytes",
+    "redistribute_cost",
+    "written_outputs",
+]
 
 Candidate = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
 """``(input placements, output placements)`` of one layout on one mesh axis."""
@@ -42,6 +49,31 @@ def redistribute_cost(spec: DTensorSpec, axis: int, src: Placement, dst: Placeme
     if isinstance(src, Partial):
         return 2.0 * nbytes if isinstance(dst, Replicate) else nbytes
     return 1e-3 * nbytes  # a local slice: nearly free, but staying put is preferred
+
+
+def decision_cost(call: OpCall, decision: Decision) -> float:
+    """Bytes a rank sends for a decision: its input moves plus its declared in-kernel reductions.
+
+    An in-kernel all-reduce (``Decision.reduces``) is costed like reducing a Partial
+    output to Replicate on that axis, for the largest output: an upper bound (a sharded
+    softmax reduces row statistics, far smaller than its output).
+
+    Example::
+
+        decision_cost(call, choose(call, candidates))   # 0.0 when nothing moves
+    """
+    cost = 0.0
+    for spec, target in zip(call.specs, decision.inputs, strict=True):
+        for axis, (src, dst) in enumerate(zip(spec.placements, target, strict=True)):
+            cost += redistribute_cost(spec, axis, src, dst)
+    if decision.reduces:
+        largest = 0.0
+        for meta, placements in zip(call.out_metas, decision.outputs, strict=True):
+            if meta is not None and placements is not None:
+                spec = DTensorSpec(call.mesh, tuple(placements), meta)
+                largest = max(largest, local_bytes(spec))
+        cost += sum(2.0 * largest for axis in decision.reduces if call.mesh.shape[axis] > 1)
+    return cost
 
 
 def written_outputs(call: OpCall) -> list[tuple[int, int | None]]:
@@ -111,11 +143,11 @@ def choose(
                 best, best_cost = cand, cost
         if best is None:
             if written:  # the dispatcher then takes the fallback, which keeps the layout
-                raise RuntimeError(
+                raise Declined(
                     f"{call.func}: no layout keeps the placements of the tensor it writes on "
                     f"mesh axis {axis}"
                 )
-            raise RuntimeError(f"{call.func}: no valid layout on mesh axis {axis}")
+            raise Declined(f"{call.func}: no valid layout on mesh axis {axis}")
         for i, placement in enumerate(best[0]):
             inputs[i].append(placement)
         for j, p in enumerate(best[1]):

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dtensor._loss_parallel import loss_parallel_active
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
-from hyper_parallel.dtensor._ops.losses import loss_parallel_active
 from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
 from hyper_parallel.dtensor.collectives import all_reduce_over
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -189,6 +189,7 @@ def _norm_rule(call: OpCall) -> Decision:
     if sum_axes and (float(ord_) > 0):
         over = (spec.mesh, tuple(sum_axes))
         decision.local_fn = _sharded_norm(float(ord_), over)
+        decision.reduces = tuple(sum_axes)
     elif sum_axes:
         return None  # type: ignore[return-value]
     return decision
@@ -245,6 +246,7 @@ def _softmax_rule(call: OpCall) -> Decision:
         over = (call.mesh, tuple(axes))
         packet = call.func.overloadpacket
         decision.local_fn = _SHARDED_SOFTMAX[packet](over)
+        decision.reduces = tuple(axes)
     return decision
 
 

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._dispatch import dispatch_by_rules
 from hyper_parallel.dtensor._redistribute import PlacementError, redistribute_local
 from hyper_parallel.dtensor._registry import register_special
 from hyper_parallel.dtensor._spec import (
@@ -15,7 +14,7 @@ from hyper_parallel.dtensor._spec import (
     partial_to_replicate,
     replicate_all,
 )
-from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.dtensor._tensor import DTensor, dispatch_by_rules
 from hyper_parallel.dtensor.collectives import all_reduce_over
 
 aten = torch.ops.aten
@@ -44,7 +43,7 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """
     dst, src = args[0], args[1]
     if not isinstance(dst, DTensor):
-        return dispatch_by_rules(DTensor, func, args, kwargs)
+        return dispatch_by_rules(func, args, kwargs)
     spec = dst._spec
     if isinstance(src, DTensor):
         if src._spec.mesh != spec.mesh:
@@ -53,13 +52,13 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 "copying between meshes is not supported"
             )
         if src._spec.shape != spec.shape:
-            return dispatch_by_rules(DTensor, func, args, kwargs)  # broadcasting: the rule
+            return dispatch_by_rules(func, args, kwargs)  # broadcasting: the rule
         value = redistribute_local(src._local_tensor, src._spec, spec.placements)
     elif isinstance(src, torch.Tensor) and src.ndim > 0 and tuple(src.shape) == spec.shape:
         replicated = spec.with_placements(replicate_all(spec.mesh.ndim))
         value = redistribute_local(src, replicated, spec.placements)
     else:
-        return dispatch_by_rules(DTensor, func, args, kwargs)
+        return dispatch_by_rules(func, args, kwargs)
     if spec.mesh.get_coordinate() is not None:
         dst._local_tensor.copy_(value, *args[2:], **kwargs)
     return dst
@@ -83,7 +82,7 @@ def _equal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``torch.equal``: shards compared in one layout, the verdicts combined over the mesh."""
     a, b = args[0], args[1]
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a._spec.mesh != b._spec.mesh:
-        return dispatch_by_rules(DTensor, func, args, kwargs)  # the mixed-tensor/mesh error
+        return dispatch_by_rules(func, args, kwargs)  # the mixed-tensor/mesh error
     if a._spec.shape != b._spec.shape:
         return False
     mesh = a._spec.mesh
@@ -115,4 +114,4 @@ def _as_strided(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         return DTensor(
             func(local, *args[1:], **kwargs), DTensorSpec(spec.mesh, spec.placements, meta)
         )
-    return dispatch_by_rules(DTensor, func, args, kwargs)
+    return dispatch_by_rules(func, args, kwargs)

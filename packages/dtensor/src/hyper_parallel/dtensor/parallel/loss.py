@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hyper_parallel.dtensor._ops.losses import loss_parallel_mode
+from hyper_parallel.dtensor._loss_parallel import loss_parallel_mode
 
 __all__ = ["loss_parallel"]
 

@@ -1,4 +1,4 @@
-"""Differentiable collectives: forward values and input gradients against one-process autograd.
+"""The Megatron baseline's differentiable collectives (``bench/baselines/_collectives.py``): forward values and input gradients against one-process autograd.
 
 The distributed loss is ``sum over ranks of (weight_r * output_r).sum()``; the
 oracle builds the same loss from all ranks' inputs in one process and lets
@@ -11,9 +11,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from bench.baselines import _collectives as collectives
 from tests._harness import run_on_ranks, world_sizes
-
-from hyper_parallel.platform_torch import collectives
 
 CHUNK = (2, 3)
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "copy", "reduce_from")

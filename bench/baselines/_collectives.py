@@ -1,4 +1,8 @@
-"""Differentiable collectives: autograd functions whose backward is the exact adjoint.
+"""The Megatron baseline's differentiable collectives: autograd functions whose backward is the exact adjoint.
+
+A private helper of ``bench/baselines/megatron.py`` (hand-written tensor parallelism
+calls process groups directly, as Megatron-LM does): the product's collectives go
+through ``hyper_parallel.dtensor.collectives``, which records every call.
 
 "Exact" assumes the training loss is the *sum* over ranks of each rank's loss,
 so the gradient of a collective's input is the adjoint collective applied to the
