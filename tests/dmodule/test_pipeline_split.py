@@ -12,7 +12,12 @@ import torch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from hyper_parallel.dmodule import MeshAxisName, ModelSpec
-from hyper_parallel.dmodule.models.llama import LLAMA_PIPELINE_SPLIT, LLAMA_SPEC, Llama
+from hyper_parallel.dmodule.models.llama import (
+    LLAMA_PIPELINE_SPLIT,
+    LLAMA_SPEC,
+    Llama,
+    pipeline_llama,
+)
 from hyper_parallel.dmodule.pipeline import (
     PassThrough,
     PipelineSplit,
@@ -122,3 +127,10 @@ def test_split_problems_name_expected_and_found() -> None:
         PipelineSplit(first=("layers",))
     with pytest.raises(TypeError, match="pipeline_split: expected a PipelineSplit"):
         ModelSpec(name="x", model=CONFIG, pipeline_split="layers")  # type: ignore[arg-type]
+
+
+def test_llama_pipelining_fn_refuses_unknown_options() -> None:
+    with torch.device("meta"):
+        model = CONFIG.build()
+    with pytest.raises(ValueError, match=r"names \['microbatches'\]; expected schedule"):
+        pipeline_llama(model, None, {"pipeline": {"microbatches": 4}})  # type: ignore[arg-type]

@@ -239,8 +239,8 @@ def train_pipelined(options: Options) -> RankReport | None:
 
         >>> run_distributed(train_pipelined, 4, args=(parse_args(["--pp", "2"]),))  # doctest: +SKIP
     """
-    from hyper_parallel.dmodule.layers import cross_entropy
-    from hyper_parallel.dmodule.pipeline import pipeline, stage_owner
+    from hyper_parallel.dmodule.models.llama import pipeline_llama
+    from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
 
     platform = get_platform()
     rank = platform.get_rank()
@@ -250,14 +250,13 @@ def train_pipelined(options: Options) -> RankReport | None:
     )
     with torch.device("meta"):
         model = options.model.build()
-    pipe = pipeline(
-        model,
-        mesh,
-        schedule=options.schedule,
-        n_microbatches=options.microbatches,
-        loss_fn=cross_entropy,
-        stages_per_rank=_stages_per_rank(options.schedule),
-    )
+    pipeline_options = {
+        "schedule": options.schedule,
+        "n_microbatches": options.microbatches,
+        "stages_per_rank": _stages_per_rank(options.schedule),
+    }
+    # llama-ref's ModelSpec.pipelining_fn: pipeline() with the model's loss
+    pipe: Pipeline = pipeline_llama(model, mesh, {"pipeline": pipeline_options})
     torch.manual_seed(options.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # as in train_rank

@@ -286,6 +286,12 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) ->
     """
     section = job_config.get("pipeline", {}) if isinstance(job_config, Mapping) else {}
     options = dict(section)
+    unknown = sorted(set(options) - {"schedule", "n_microbatches", "stages_per_rank", "split"})
+    if unknown:
+        raise ValueError(
+            f"pipeline_llama: job_config['pipeline'] names {unknown}; expected schedule, "
+            f"n_microbatches, stages_per_rank or split"
+        )
     options.setdefault("n_microbatches", mesh.size(axis_name(MeshAxisName.PP)))
     return pipeline(model, mesh, loss_fn=cross_entropy, **options)
 

@@ -76,6 +76,9 @@ class _Layout:
     placements: tuple[Placement, ...]
 
 
+_OutputSpec = tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]
+
+
 class _StageModule(torch.nn.Module):
     """What torch's ``PipelineStage`` runs: one part, with plain tensors in and out.
 
@@ -91,8 +94,7 @@ class _StageModule(torch.nn.Module):
         self.plan = plan
         self.layout = layout
         #: The last stage's output layout, global shape and stride, seen by its forward.
-        self.output_spec: tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]
-        self.output_spec = None  # type: ignore[assignment]
+        self.output_spec: _OutputSpec | None = None
 
     def forward(self, *args: torch.Tensor) -> Any:
         if not self.plan.is_first and self.layout is not None:
@@ -231,10 +233,7 @@ class Pipeline:
             owner = stage_owner(index, pp, self.schedule_name)
             if owner == me:
                 part = self._modules[self.stage_indices.index(index)].part
-                if isinstance(part, BaseModel):
-                    part.init_weights(buffer_device=buffer_device)
-                else:
-                    part.init_states(buffer_device=buffer_device)  # type: ignore[operator]
+                part.init_weights(buffer_device=buffer_device)  # type: ignore[operator]
             if pp > 1:
                 self._relay_generators(owner)
 
@@ -425,9 +424,9 @@ def pipeline(
     stages: list[PipelineStage] = []
     for index in local:
         part = build_stage(model, cut, plans[index])
-        if stage_mesh is not None:
+        if stage_mesh is not None:  # the same call as for the whole model without pipelining
             if parallelize_fn is not None:
-                part = parallelize_fn(part, stage_mesh, None)
+                part = parallelize_fn(part, stage_mesh, None) or part
             else:
                 part.parallelize(stage_mesh)  # type: ignore[operator]
         module = _StageModule(part, plans[index], layout)
