@@ -17,7 +17,8 @@ Reported per configuration:
   the slowest rank, minimum over ``--reps`` steps after a warm-up, and its ratio to the
   layout's no-pipeline baseline run in the same invocation;
 - ``bubble``: ``1 - busy / pipe``, where ``pipe`` is the time of ``Pipeline.step`` and
-  ``busy`` the rank's time inside torch's ``PipelineStage`` forward/backward calls, the
+  ``busy`` the rank's time inside torch's ``PipelineStage`` forward/backward calls (and
+  the schedule's loss computation), the
   mean over ranks (minimum-``pipe`` step); ``theory``: ``(p - 1) / (v * m + p - 1)`` for
   ``p`` ranks, ``v`` stages per rank, ``m`` microbatches (GPipe and 1F1B: ``v = 1``);
 - ``peak``: peak RSS per rank above the baseline taken after the mesh exists
@@ -106,6 +107,8 @@ def _rank(
         for stage in pipe.stages:  # instance attributes: this bench's stages only
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, _timed(getattr(stage, name), busy))
+        # the last stage's loss runs in the schedule, between the stage's calls
+        pipe.schedule._compute_loss = _timed(pipe.schedule._compute_loss, busy)  # type: ignore[method-assign]
     optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-4)
     dp_size = mesh.size("dp")
     dp_rank = mesh.get_local_rank("dp")

@@ -111,8 +111,9 @@ class _StageModule(torch.nn.Module):
             self.output_spec = (out.device_mesh, placements, out.shape, out.stride())
             return out.to_local()
         where = f"pipeline: stage {self.plan.index}"
-        if self.layout is None or placements != self.layout.placements:
-            declared = None if self.layout is None else list(self.layout.placements)
+        layout = self.layout
+        if layout is None or placements != layout.placements or out.device_mesh != layout.mesh:
+            declared = None if layout is None else list(layout.placements)
             raise ValueError(
                 f"{where} outputs a DTensor laid out as {list(placements)} on mesh axes "
                 f"{out.device_mesh.mesh_dim_names}; the model's PipelineSplit.activation declares "
