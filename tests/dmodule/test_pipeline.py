@@ -172,7 +172,7 @@ def _pp2() -> dict[str, Any]:
 
 
 def _pp2_tp2(directory: str) -> dict[str, Any]:
-    """pp=2 x tp=2: 1F1B trained and checkpointed; sequence parallel; the checkpoint on tp=4."""
+    """pp=2 x tp=2: 1F1B trained and checkpointed; sequence parallel; the checkpoint elsewhere."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pipe = _build(mesh, "1F1B")
     out: dict[str, Any] = {"1F1B": _train(pipe)}
@@ -190,6 +190,14 @@ def _pp2_tp2(directory: str) -> dict[str, Any]:
     model.init_weights()
     load({"app": ModelState(model)}, directory, step=STEPS)
     out["tp4"] = {k: _full(v) for k, v in model.state_dict().items()}
+    # ... and on pp=4 (one layer per stage): each stage reads its own keys (DCP's engine)
+    pp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    staged = _build(pp4, "GPipe")
+    torch.manual_seed(SEED + 1)
+    staged.init_weights()
+    (stage,) = staged.model_parts
+    dcp_load({"app": {"model": stage.state_dict()}}, checkpoint_id=str(step_path(directory, STEPS)))
+    out["pp4"] = {k: _full(v) for k, v in stage.state_dict().items()}
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:  # one process, no process group: DCP alone
         plain = CONFIG.build()
@@ -273,7 +281,7 @@ def test_pp2_tp2_sequence_parallel_activations_cross_stages(pp2_tp2: list[dict[s
     _check_against_one_process(records, steps=1, sequence_parallel=True)
 
 
-def test_checkpoint_saved_on_pp2_tp2_loads_on_tp4_and_one_process(
+def test_checkpoint_saved_on_pp2_tp2_loads_on_tp4_pp4_and_one_process(
     pp2_tp2: list[dict[str, Any]],
 ) -> None:
     saved: dict[str, torch.Tensor] = {}
@@ -284,6 +292,12 @@ def test_checkpoint_saved_on_pp2_tp2_loads_on_tp4_and_one_process(
         assert sorted(loaded) == sorted(saved)
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
+    on_pp4: dict[str, torch.Tensor] = {}
+    for rank in pp2_tp2:
+        on_pp4.update(rank["pp4"])
+        for key, value in rank["pp4"].items():
+            assert torch.equal(value, saved[key]), key
+    assert sorted(on_pp4) == sorted(saved)
 
 
 BAD_INPUT_MESSAGES = {
