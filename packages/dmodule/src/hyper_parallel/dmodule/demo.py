@@ -71,6 +71,9 @@ class Options:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    pp: int = 1
+    schedule: str = "1F1B"
+    microbatches: int = 1
 
 
 @dataclass
@@ -87,6 +90,8 @@ class RankReport:
     step_seconds: list[float]
     first_step: int = 1
     history: list[float] = field(default_factory=list)
+    #: With ``--pp``: every rank's parameter bytes (its stages' local shards), in rank order.
+    param_bytes: list[int] = field(default_factory=list)
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -127,6 +132,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir (any --tp/--dp)",
     )
+    _add_pipeline_arguments(parser)
     try:
         overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
     except ConfigError as error:  # e.g. `--model.dim` as the last argument: a usage error
@@ -157,6 +163,7 @@ def parse_args(argv: Sequence[str]) -> Options:
             problems.append(
                 f"--resume: the latest checkpoint is step {found}; --steps {args.steps}"
             )
+    problems += _pipeline_problems(args, model)
     if problems:
         parser.error("; ".join(problems))
     _PLOT_PATH[0] = args.plot
@@ -174,6 +181,136 @@ def parse_args(argv: Sequence[str]) -> Options:
         args.checkpoint_dir,
         args.checkpoint_every,
         args.resume,
+        args.pp,
+        args.schedule,
+        args.microbatches or args.pp,
+    )
+
+
+def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    from hyper_parallel.dmodule.pipeline import SCHEDULES
+
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel stages (default 1: no pipeline)"
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1F1B",
+        choices=SCHEDULES,
+        help="torch's pipeline schedule with --pp (default 1F1B; multi-stage ones hold 2 "
+        "stages per rank)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=0, help="microbatches per step with --pp (default: pp)"
+    )
+
+
+def _pipeline_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
+    if args.pp < 1 or args.microbatches < 0:
+        return [f"--pp must be >= 1 and --microbatches >= 0 (found {args.pp}, {args.microbatches})"]
+    if args.pp == 1:
+        return []
+    problems = []
+    microbatches = args.microbatches or args.pp
+    if (args.batch_size // max(args.dp, 1)) % microbatches:
+        problems.append(
+            f"--batch-size {args.batch_size} / --dp {args.dp} must divide by --microbatches "
+            f"{microbatches}"
+        )
+    stages = args.pp * _stages_per_rank(args.schedule)
+    if model.n_layers < stages:
+        problems.append(
+            f"--pp {args.pp} with {args.schedule} needs {stages} stages, more than "
+            f"--model.n_layers {model.n_layers}"
+        )
+    if args.checkpoint_dir or args.resume:
+        problems.append("--checkpoint-dir and --resume do not support --pp yet")
+    return problems
+
+
+def _stages_per_rank(schedule: str) -> int:
+    return 1 if schedule in ("GPipe", "1F1B") else 2
+
+
+def train_pipelined(options: Options) -> RankReport | None:
+    """One rank of a ``--pp`` run: this rank's stages over a ``(pp, dp, tp)`` mesh.
+
+    Example::
+
+        >>> run_distributed(train_pipelined, 4, args=(parse_args(["--pp", "2"]),))  # doctest: +SKIP
+    """
+    from hyper_parallel.dmodule.models.llama import pipeline_llama
+    from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
+
+    platform = get_platform()
+    rank = platform.get_rank()
+    device = platform.device_for(options.device)
+    mesh = init_device_mesh(
+        options.device, (options.pp, options.dp, options.tp), mesh_dim_names=("pp", "dp", "tp")
+    )
+    with torch.device("meta"):
+        model = options.model.build()
+    pipeline_options = {
+        "schedule": options.schedule,
+        "n_microbatches": options.microbatches,
+        "stages_per_rank": _stages_per_rank(options.schedule),
+    }
+    # llama-ref's ModelSpec.pipelining_fn: pipeline() with the model's loss
+    pipe: Pipeline = pipeline_llama(model, mesh, {"pipeline": pipeline_options})
+    torch.manual_seed(options.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # as in train_rank
+        pipe.init_weights(buffer_device=device)
+    params = [p for part in pipe.model_parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=options.lr, foreach=False)
+    dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
+    last_owner = stage_owner(pipe.num_stages - 1, options.pp, options.schedule)
+    losses: list[float] = []
+    seconds: list[float] = []
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for step in range(1, options.steps + 1):
+        start = time.perf_counter()
+        tokens, targets = synthetic_batch(
+            step,
+            batch_size=options.batch_size,
+            seq_len=options.seq_len,
+            vocab_size=options.model.vocab_size,
+            seed=options.seed,
+        )
+        rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        step_counts: Counter[str] = Counter()
+        with count_collectives(step_counts, nbytes if step == 1 else Counter()):
+            loss = pipe.step(tokens[rows].to(device), target=targets[rows].to(device))
+            for part in pipe.model_parts:
+                average_gradients(part, mesh, "dp")
+        optimizer.step()
+        optimizer.zero_grad()
+        mine = loss if loss is not None else torch.zeros((), device=device)
+        mine = collectives.all_reduce(mine.detach().reshape(1), mesh, "dp", "avg")
+        reported = collectives.broadcast(mine, mesh, "pp", last_owner)
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(reported.item()))
+        if step == 1:
+            counts = step_counts
+        if rank == 0:
+            print(
+                f"  [rank 0] step {step:3d}/{options.steps}  loss {losses[-1]:.6f}  "
+                f"{seconds[-1] * 1000:7.1f} ms",
+                flush=True,
+            )
+    local_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params)
+    everyone = init_device_mesh(options.device, (options.pp * options.dp * options.tp,))
+    gathered = collectives.all_gather(torch.tensor([local_bytes], device=device), everyone, 0)
+    if rank != 0:
+        return None
+    plan = [row for part in pipe.model_parts for row in sharding_plan(part)]
+    return RankReport(
+        losses,
+        plan,
+        {k: (counts[k], nbytes[k]) for k in counts},
+        seconds,
+        param_bytes=[int(b) for b in gathered.flatten().tolist()],
     )
 
 
@@ -200,6 +337,8 @@ def train_rank(options: Options) -> RankReport | None:
 
         >>> run_distributed(train_rank, 2, args=(parse_args([]),))  # doctest: +SKIP
     """
+    if options.pp > 1:
+        return train_pipelined(options)
     platform = get_platform()
     rank = platform.get_rank()
     device = platform.device_for(options.device)
@@ -342,6 +481,18 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
         print(f"  {kind:<15} x{count:<4} {nbytes / 1024:9.1f} KiB")
     if not result.collectives:
         print("  none")
+    if result.param_bytes:
+        print(
+            f"\nparameter bytes per rank (pp={options.pp}, {options.schedule}, "
+            f"{options.microbatches} microbatches; pipeline sends are torch's, not counted above):"
+        )
+        total = sum(result.param_bytes) / options.dp  # dp ranks hold copies
+        share = 1 / (options.pp * options.tp)
+        for r, nbytes in enumerate(result.param_bytes):
+            print(
+                f"  rank {r}: {nbytes / 1024:9.1f} KiB  ({nbytes / total:.3f} of the model; "
+                f"1 / (pp x tp) = {share:.3f})"
+            )
     print("\nloss: parallel vs single process (same seed, same data)")
     if result.first_step > 1:
         print(f"  (resumed at step {result.first_step}; earlier steps ran before the checkpoint)")
@@ -392,7 +543,8 @@ def write_plot(
     axes.plot(
         range(1, len(reference) + 1), reference, label="single process", linewidth=3, alpha=0.5
     )
-    label = f"tp={options.tp} dp={options.dp}" + (" (resumed)" if resumed_at else "")
+    label = f"tp={options.tp} dp={options.dp}" + (f" pp={options.pp}" if options.pp > 1 else "")
+    label += " (resumed)" if resumed_at else ""
     axes.plot(range(first, len(reference) + 1), parallel, label=label, linestyle="--")
     if resumed_at is not None:
         axes.axvline(
@@ -417,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     options = parse_args(sys.argv[1:] if argv is None else argv)
-    world = options.tp * options.dp
+    world = options.tp * options.dp * options.pp
     cfg = options.model
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     start = time.perf_counter()
@@ -428,7 +580,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     launcher = "torchrun" if under_torchrun else "built-in launcher"
     print(
-        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp} on {world} "
+        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp}"
+        + (f" pp={options.pp} ({options.schedule})" if options.pp > 1 else "")
+        + f" on {world} "
         f"{options.device} processes ({launcher}); {options.steps} steps, batch "
         f"{options.batch_size} x {options.seq_len} tokens, seed {options.seed}\n  model: "
         f"{fields}",
@@ -469,7 +623,7 @@ def _main_torchrun(options: Options, world: int, start: float) -> int:
     platform = get_platform()
     if int(os.environ["WORLD_SIZE"]) != world:
         print(
-            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp = {world}",
+            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp x --pp = {world}",
             file=sys.stderr,
         )
         return 2

@@ -5,9 +5,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter
+
+if TYPE_CHECKING:
+    from hyper_parallel.dmodule.pipeline.split import PipelineSplit
 
 __all__ = [
     "ModelRegistry",
@@ -63,8 +66,9 @@ class ModelSpec:
     optional: ``parallelize_fn(model, mesh, job_config) -> model``, ``clip_grad_fn``,
     ``pipelining_fn(model, mesh, job_config)``, and ``state_dict_adapter``, a class that
     translates state-dict keys (e.g. to Hugging Face names). Additions here: ``flavors``
-    (named configs, as TorchTitan's ``model_args``), a ``converter`` for external configs
-    and a ``description``. Every field is checked when the spec is made.
+    (named configs, as TorchTitan's ``model_args``), a ``converter`` for external configs,
+    a ``description`` and ``pipeline_split`` (where :func:`~hyper_parallel.dmodule.pipeline.pipeline`
+    may cut the model into stages). Every field is checked when the spec is made.
 
     Example::
 
@@ -84,6 +88,7 @@ class ModelSpec:
     flavors: Mapping[str, BaseModel.Config] = field(default_factory=dict)
     converter: ModelConfigConverter[Any] | None = None
     description: str = ""
+    pipeline_split: PipelineSplit | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -121,6 +126,14 @@ class ModelSpec:
             raise TypeError(
                 f"{where}: converter: expected a ModelConfigConverter, found {self.converter!r}"
             )
+        if self.pipeline_split is not None:
+            from hyper_parallel.dmodule.pipeline.split import PipelineSplit
+
+            if not isinstance(self.pipeline_split, PipelineSplit):
+                raise TypeError(
+                    f"{where}: pipeline_split: expected a PipelineSplit, found "
+                    f"{self.pipeline_split!r}"
+                )
 
     def config(self, flavor: str | None = None) -> BaseModel.Config:
         """A copy of ``model`` (no ``flavor``) or of the config of ``flavor`` (unknown: did-you-mean).

@@ -7,6 +7,7 @@ Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelS
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +26,11 @@ from hyper_parallel.dmodule.layers import (
 )
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
 from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
-from hyper_parallel.dmodule.types import MeshAxisName, axis_name
-from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
+from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
 
-__all__ = ["LLAMA_SPEC", "Llama", "parallelize_llama"]
+__all__ = ["LLAMA_PIPELINE_SPLIT", "LLAMA_SPEC", "Llama", "parallelize_llama", "pipeline_llama"]
 
 
 class Llama(BaseModel):
@@ -257,12 +259,51 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None)
     return model.parallelize(mesh[tp_name] if len(names) > 1 and tp_name in names else mesh)
 
 
+def _llama_activation(config: Llama.Config) -> NamedPlacement:
+    # the residual stream between blocks: split along the sequence with sequence parallelism
+    return {MeshAxisName.TP: Shard(1) if config.sequence_parallel else Replicate()}
+
+
+#: Where llama-ref is cut into pipeline stages: between blocks; the embedding on the first
+#: stage, the final norm and the output projection on the last.
+LLAMA_PIPELINE_SPLIT = PipelineSplit(
+    layers="layers",
+    first=("tok_embeddings",),
+    last=("norm", "output"),
+    activation=_llama_activation,
+)
+
+
+def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Pipeline:
+    """The spec's ``pipelining_fn``: :func:`~hyper_parallel.dmodule.pipeline.pipeline` with the loss.
+
+    ``job_config["pipeline"]`` (a mapping) may give ``schedule``, ``n_microbatches``
+    (default: the ``pp`` size), ``stages_per_rank`` and ``split``.
+
+    Example::
+
+        pipe = pipeline_llama(model, mesh, {"pipeline": {"schedule": "GPipe", "n_microbatches": 4}})
+    """
+    section = job_config.get("pipeline", {}) if isinstance(job_config, Mapping) else {}
+    options = dict(section)
+    unknown = sorted(set(options) - {"schedule", "n_microbatches", "stages_per_rank", "split"})
+    if unknown:
+        raise ValueError(
+            f"pipeline_llama: job_config['pipeline'] names {unknown}; expected schedule, "
+            f"n_microbatches, stages_per_rank or split"
+        )
+    options.setdefault("n_microbatches", mesh.size(axis_name(MeshAxisName.PP)))
+    return pipeline(model, mesh, loss_fn=cross_entropy, **options)
+
+
 LLAMA_SPEC = ModelSpec(
     name="llama-ref",
     model=Llama.Config(),
     parallelize_fn=parallelize_llama,
+    pipelining_fn=pipeline_llama,
     flavors=_flavors(),
     state_dict_adapter=LlamaStateDictAdapter,
     description="Reference Llama-style decoder (GQA, RoPE, SwiGLU), tensor parallel over 'tp'.",
+    pipeline_split=LLAMA_PIPELINE_SPLIT,
 )
 register_spec(LLAMA_SPEC)

@@ -1,0 +1,486 @@
+"""``pipeline()``: this rank's stages of a declarative model, run by ``torch.distributed.pipelining``.
+
+hp builds, parallelizes and initialises each stage; torch's ``PipelineStage`` and
+schedules (GPipe, 1F1B, interleaved, zero bubble, DualPipeV) move the microbatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hyper_parallel.dmodule.base_model import BaseModel
+from hyper_parallel.dmodule.model_spec import spec_for_config
+from hyper_parallel.dmodule.pipeline.split import (
+    PipelineSplit,
+    StagePlan,
+    build_stage,
+    plan_stages,
+)
+from hyper_parallel.dmodule.sharding import resolve_placements
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, collectives
+from hyper_parallel.platform import get_platform
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+__all__ = ["SCHEDULES", "Pipeline", "pipeline", "stage_owner"]
+
+PP = axis_name(MeshAxisName.PP)
+
+#: torch's schedule names (``get_schedule_class`` takes them case-insensitively).
+SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+_SINGLE_STAGE = frozenset({"gpipe", "1f1b"})
+# torch places the stages of these in a V: rank r holds stages r and 2 * pp - 1 - r
+_V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def stage_owner(stage: int, pp: int, schedule: str) -> int:
+    """The ``pp`` rank that holds ``stage`` under ``schedule`` (as torch's schedules place stages).
+
+    Looped schedules deal stages round-robin; V-shaped ones (ZBV, DualPipeV) go down
+    and back up, so rank 0 holds the first and the last stage.
+
+    Example::
+
+        >>> [stage_owner(s, 2, "Interleaved1F1B") for s in range(4)]
+        [0, 1, 0, 1]
+        >>> [stage_owner(s, 2, "ZBVZeroBubble") for s in range(4)]
+        [0, 1, 1, 0]
+    """
+    if schedule.lower() in _V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """An activation's DTensor layout, to rebuild it from the plain tensor torch sends."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+
+
+_OutputSpec = tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]
+
+
+class _StageModule(torch.nn.Module):
+    """What torch's ``PipelineStage`` runs: one part, with plain tensors in and out.
+
+    torch sends plain tensors (it knows torch's DTensor, not hp's): a received
+    activation is rebuilt as a DTensor of the declared layout, and a DTensor output
+    goes out as its local shard (the last stage's is rebuilt for the loss). The part
+    is held as ``part``; its own FQNs (``Pipeline.model_parts``) are unchanged.
+    """
+
+    def __init__(self, part: torch.nn.Module, plan: StagePlan, layout: _Layout | None) -> None:
+        super().__init__()
+        self.part = part
+        self.plan = plan
+        self.layout = layout
+        #: The last stage's output layout, global shape and stride, seen by its forward.
+        self.output_spec: _OutputSpec | None = None
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        if not self.plan.is_first and self.layout is not None:
+            args = tuple(
+                DTensor.from_local(a, self.layout.mesh, self.layout.placements) for a in args
+            )
+        return _map_tensors(self.part(*args), self._send)
+
+    def _send(self, out: torch.Tensor) -> torch.Tensor:
+        if not isinstance(out, DTensor):
+            return out
+        placements = tuple(out.placements)
+        if self.plan.is_last:
+            self.output_spec = (out.device_mesh, placements, out.shape, out.stride())
+            return out.to_local()
+        where = f"pipeline: stage {self.plan.index}"
+        layout = self.layout
+        if layout is None or placements != layout.placements or out.device_mesh != layout.mesh:
+            declared = None if layout is None else list(layout.placements)
+            raise ValueError(
+                f"{where} outputs a DTensor laid out as {list(placements)} on mesh axes "
+                f"{out.device_mesh.mesh_dim_names}; the model's PipelineSplit.activation declares "
+                f"{declared}, so the next stage would rebuild it wrongly"
+            )
+        for axis, placement in enumerate(placements):
+            if isinstance(placement, Shard) and out.shape[placement.dim] % out.device_mesh.size(
+                axis
+            ):
+                raise ValueError(
+                    f"{where} outputs a DTensor of shape {tuple(out.shape)} sharded unevenly "
+                    f"({placement} over {out.device_mesh.size(axis)} ranks); expected dims that "
+                    f"divide evenly between stages"
+                )
+        return out.to_local()
+
+    def loss(self, loss_fn: LossFn, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """``loss_fn`` on the last stage's output rebuilt as the DTensor the part returned."""
+        spec = self.output_spec
+        if spec is not None and isinstance(output, torch.Tensor):
+            mesh, placements, shape, stride = spec
+            output = DTensor.from_local(output, mesh, placements, shape=shape, stride=stride)
+        loss = loss_fn(output, target)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+class Pipeline:
+    """This rank's pipeline stages of a model and the torch schedule that runs them.
+
+    Made by :func:`pipeline`. ``model_parts`` are this rank's stage modules (original
+    FQNs, parallelized over the mesh's other axes, on the meta device until
+    :meth:`init_weights`); give their parameters to the optimizer and their state dicts
+    to DCP. ``schedule`` is torch's schedule object, ``stages`` its ``PipelineStage``\\ s.
+
+    Example::
+
+        pipe = pipeline(model, mesh, schedule="1F1B", n_microbatches=4, loss_fn=cross_entropy)
+        torch.manual_seed(0); pipe.init_weights()
+        optimizer = torch.optim.AdamW([p for m in pipe.model_parts for p in m.parameters()])
+        loss = pipe.step(tokens, target=targets)   # None on ranks without the last stage
+        optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        *,
+        mesh: DeviceMesh,
+        schedule_name: str,
+        n_microbatches: int,
+        plans: list[StagePlan],
+        local: list[int],
+        modules: list[_StageModule],
+        stages: list[PipelineStage],
+        schedule: _PipelineSchedule,
+        device: torch.device,
+    ) -> None:
+        self.mesh = mesh
+        self.schedule_name = schedule_name
+        self.n_microbatches = n_microbatches
+        self.plans = plans
+        #: The stage indices this rank holds, in the order of ``model_parts``.
+        self.stage_indices = local
+        self._modules = modules
+        self.stages = stages
+        self.schedule = schedule
+        self.device = device
+
+    @property
+    def model_parts(self) -> list[torch.nn.Module]:
+        """This rank's stage modules, first stage first (each keeps the full model's FQNs)."""
+        return [m.part for m in self._modules]
+
+    @property
+    def num_stages(self) -> int:
+        """Stages in the whole pipeline (``pp * stages_per_rank``)."""
+        return len(self.plans)
+
+    @property
+    def has_first_stage(self) -> bool:
+        """True when this rank holds stage 0 (it takes the inputs)."""
+        return 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        """True when this rank holds the last stage (it takes the targets, returns the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
+    def init_weights(self, *, buffer_device: torch.device | str | None = None) -> None:
+        """Allocate this rank's parts and initialise them as one device would after the same seed.
+
+        Stage by stage in pipeline order: the rank holding a stage fills it
+        (``init_weights`` of the part: only this rank's shards, with their slices of the
+        full draws), then hands its random generators' states to the whole ``pp`` group.
+        A rank thus never draws (nor allocates) another stage's values, yet every stage
+        starts from the state one device reaches there; afterwards every rank's
+        generators are where one device's are after ``model.init_weights()``. A
+        collective over ``pp``: every rank calls it.
+
+        Example::
+
+            torch.manual_seed(0)
+            pipe.init_weights()
+        """
+        for module in self._modules:
+            if any(t.is_meta for t in (*module.part.parameters(), *module.part.buffers())):
+                module.part.to_empty(device=self.device)
+        pp = self.mesh.size(PP)
+        me = self.mesh.get_local_rank(PP)
+        for index in range(self.num_stages):
+            owner = stage_owner(index, pp, self.schedule_name)
+            if owner == me:
+                part = self._modules[self.stage_indices.index(index)].part
+                part.init_weights(buffer_device=buffer_device)  # type: ignore[operator]
+            if pp > 1:
+                self._relay_generators(owner)
+
+    def _relay_generators(self, src: int) -> None:
+        """Set every ``pp`` rank's generators to those of ``pp`` rank ``src`` (a broadcast)."""
+        cpu_state = torch.get_rng_state()
+        states = [cpu_state]
+        device_module = None
+        if self.device.type != "cpu":
+            device_module = torch.get_device_module(self.device)
+            states.append(device_module.get_rng_state(self.device))
+        sizes = [s.numel() for s in states]
+        packed = torch.cat(states).to(self.device)
+        got = collectives.broadcast(packed, self.mesh, PP, src).cpu()
+        parts = torch.split(got, sizes)
+        torch.set_rng_state(parts[0].clone())
+        if device_module is not None:
+            device_module.set_rng_state(parts[1].clone(), self.device)
+
+    def step(
+        self, inputs: torch.Tensor | None, target: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One training step's forward and backward over ``n_microbatches`` microbatches.
+
+        ``inputs`` (used on the rank holding the first stage) and ``target`` (on the rank
+        holding the last) are the whole batch, split along dim 0. Returns the mean loss
+        over the microbatches where this rank holds the last stage, ``None`` elsewhere.
+        Gradients accumulate into the parts' ``.grad`` and equal the full batch's
+        (torch's schedules divide them by ``n_microbatches``: ``loss_fn`` must average,
+        as a mean cross-entropy does). Every rank of the pipeline calls it.
+
+        Example::
+
+            loss = pipe.step(tokens, target=targets)
+        """
+        for name, value in (("inputs", inputs), ("target", target)):
+            if value is not None:
+                self._check_batch(name, value)
+        if self.has_first_stage and inputs is None:
+            raise ValueError(
+                "Pipeline.step: this rank holds the first stage and needs the inputs; found None"
+            )
+        if self.has_last_stage and target is None:
+            raise ValueError(
+                "Pipeline.step: this rank holds the last stage and needs the target to compute "
+                "the loss; found None"
+            )
+        args = (inputs,) if self.has_first_stage else ()
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        self.schedule.step(
+            *args,
+            target=target if self.has_last_stage else None,
+            losses=losses,
+            return_outputs=False,
+        )
+        if losses is None:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def _check_batch(self, name: str, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            raise TypeError(
+                f"Pipeline.step: {name}: expected a tensor with a batch dim 0, found {value!r}"
+            )
+        batch = value.shape[0]
+        if batch % self.n_microbatches:
+            raise ValueError(
+                f"Pipeline.step: {name}: a batch of {batch} does not divide into "
+                f"n_microbatches={self.n_microbatches} equal microbatches; expected a batch size "
+                f"that is a multiple of {self.n_microbatches}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Pipeline(schedule={self.schedule_name!r}, stages={self.stage_indices} of "
+            f"{self.num_stages}, n_microbatches={self.n_microbatches})"
+        )
+
+
+def _check_microbatches(
+    name: str, n_microbatches: int, pp: int, num_stages: int, *, where: str
+) -> None:
+    """The microbatch counts torch's schedule constructors refuse, refused before anything is built."""
+    key = name.lower()
+    if key in ("1f1b", "dualpipev") and n_microbatches < num_stages:
+        raise ValueError(
+            f"{where}: schedule {name!r} needs at least as many microbatches as stages "
+            f"({num_stages}); found n_microbatches={n_microbatches}"
+        )
+    if key in ("interleaved1f1b", "interleavedzerobubble"):
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"{where}: schedule {name!r} runs microbatches in rounds of pp={pp}; expected "
+                f"n_microbatches < {pp} or a multiple of {rounds} (the number of rounds), "
+                f"found {n_microbatches}"
+            )
+
+
+def pipeline(
+    model: BaseModel,
+    mesh: DeviceMesh,
+    *,
+    schedule: str = "1F1B",
+    n_microbatches: int,
+    loss_fn: LossFn,
+    stages_per_rank: int = 1,
+    split: Sequence[int] | None = None,
+) -> Pipeline:
+    """Cut ``model`` into stages over mesh axis ``pp``; build and parallelize this rank's.
+
+    ``model`` is a :class:`BaseModel` (built on the meta device) whose registered
+    :class:`ModelSpec` declares ``pipeline_split`` (how to cut it) and, for the mesh's
+    other axes (``tp``, ``dp_shard``, ``dp_replicate``), the ``parallelize_fn`` applied to
+    each stage as without pipelining. ``schedule`` is one of torch's :data:`SCHEDULES`;
+    ``stages_per_rank`` > 1 needs a multi-stage one (``Interleaved1F1B``, ``LoopedBFS``,
+    ``InterleavedZeroBubble``; ``ZBVZeroBubble`` and ``DualPipeV`` need 2). ``split``
+    lists the layer where each stage starts (default: even, the embeddings on the first
+    stage and the norm and head on the last). Every argument is checked before anything
+    is built. ``loss_fn(output, target)`` gets the last stage's output as the model
+    returns it (a DTensor once parallelized) and must return the mean loss.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        with torch.device("meta"):
+            model = Llama.Config(n_layers=4).build()
+        pipe = pipeline(model, mesh, schedule="1F1B", n_microbatches=4, loss_fn=cross_entropy)
+    """
+    where = "pipeline"
+    if not isinstance(model, BaseModel):
+        raise TypeError(f"{where}: expected a BaseModel, found {type(model).__name__}")
+    cls = type(getattr(type(model), "_hp_parallel_base", None) or type(model)).__name__
+    config = getattr(model, "config", None)
+    spec = spec_for_config(config) if config is not None else None
+    cut = getattr(spec, "pipeline_split", None) if spec is not None else None
+    if not isinstance(cut, PipelineSplit):
+        found = "no registered ModelSpec" if spec is None else f"ModelSpec {spec.name!r}"
+        raise ValueError(
+            f"{where}: expected the ModelSpec of {cls} to declare how to cut it "
+            f"(ModelSpec(..., pipeline_split=PipelineSplit(layers=..., first=..., last=...))); "
+            f"found {found} without pipeline_split"
+        )
+    names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else ()
+    if not isinstance(mesh, DeviceMesh) or PP not in names:
+        raise ValueError(
+            f"{where}: expected a DeviceMesh with a {PP!r} axis, found "
+            f"{'mesh axes ' + repr(names) if isinstance(mesh, DeviceMesh) else repr(mesh)}"
+        )
+    schedule_name = _schedule_name(schedule, where=where)
+    for arg, value in (("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {arg}: expected an int >= 1, found {value!r}")
+    key = schedule_name.lower()
+    if key in _SINGLE_STAGE and stages_per_rank != 1:
+        raise ValueError(
+            f"{where}: schedule {schedule_name!r} runs one stage per rank; found "
+            f"stages_per_rank={stages_per_rank} (multi-stage schedules: Interleaved1F1B, "
+            f"LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
+        )
+    if key in _V_SHAPED and stages_per_rank != 2:
+        raise ValueError(
+            f"{where}: schedule {schedule_name!r} places exactly 2 stages per rank (a V); found "
+            f"stages_per_rank={stages_per_rank}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{where}: loss_fn: expected a callable (output, target) -> loss, found {loss_fn!r}"
+        )
+    pp = mesh.size(PP)
+    num_stages = pp * stages_per_rank
+    _check_microbatches(schedule_name, n_microbatches, pp, num_stages, where=where)
+    plans = plan_stages(model, cut, num_stages, split, where=where)
+    others = tuple(n for n in names if n != PP)
+    layout = _activation_layout(cut.activation_layout(config), mesh, others, where=where)
+
+    # -- build: nothing above allocated, communicated or changed the model ------------
+    from torch.distributed.pipelining import PipelineStage  # heavy import, only when used
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    me = mesh.get_local_rank(PP)
+    local = [s for s in range(num_stages) if stage_owner(s, pp, schedule_name) == me]
+    stage_mesh = mesh[others] if others else None
+    parallelize_fn = spec.parallelize_fn if spec is not None else None
+    device = get_platform().device_for(mesh.device_type)
+    group = mesh.get_group(PP)
+    modules: list[_StageModule] = []
+    stages: list[PipelineStage] = []
+    for index in local:
+        part = build_stage(model, cut, plans[index])
+        if stage_mesh is not None:  # the same call as for the whole model without pipelining
+            if parallelize_fn is not None:
+                part = parallelize_fn(part, stage_mesh, None) or part
+            else:
+                part.parallelize(stage_mesh)  # type: ignore[operator]
+        module = _StageModule(part, plans[index], layout)
+        modules.append(module)
+        stages.append(PipelineStage(module, index, num_stages, device, group=group))
+    last = next((m for m in modules if m.plan.is_last), None)
+
+    def stage_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        assert last is not None  # torch computes the loss on the last stage only
+        return last.loss(loss_fn, output, target)
+
+    schedule_cls = get_schedule_class(schedule_name)
+    runner: _PipelineSchedule
+    if key in _SINGLE_STAGE:
+        runner = schedule_cls(stages[0], n_microbatches, loss_fn=stage_loss, scale_grads=True)
+    else:
+        runner = schedule_cls(stages, n_microbatches, loss_fn=stage_loss, scale_grads=True)
+    return Pipeline(
+        mesh=mesh,
+        schedule_name=schedule_name,
+        n_microbatches=n_microbatches,
+        plans=plans,
+        local=local,
+        modules=modules,
+        stages=stages,
+        schedule=runner,
+        device=device,
+    )
+
+
+def _schedule_name(schedule: object, *, where: str) -> str:
+    if isinstance(schedule, str):
+        for name in SCHEDULES:
+            if name.lower() == schedule.lower():
+                return name
+    raise ValueError(f"{where}: schedule: expected one of {list(SCHEDULES)}, found {schedule!r}")
+
+
+def _activation_layout(
+    declared: NamedPlacement | None, mesh: DeviceMesh, others: tuple[str, ...], *, where: str
+) -> _Layout | None:
+    """The declared layout over the mesh axes it names that this mesh has (none: plain tensors)."""
+    if declared is None:
+        return None
+    if not isinstance(declared, Mapping):
+        raise TypeError(
+            f"{where}: PipelineSplit.activation: expected placements by mesh axis name "
+            f"(e.g. {{'tp': Replicate()}}), found {declared!r}"
+        )
+    named = {axis_name(k) for k in declared}
+    axes = tuple(a for a in others if a in named)
+    if not axes:
+        return None
+    kept = {k: v for k, v in declared.items() if axis_name(k) in axes}
+    placements = resolve_placements(kept, axes, where=f"{where}: PipelineSplit.activation")
+    return _Layout(mesh[axes], tuple(placements))
