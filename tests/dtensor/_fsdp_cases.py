@@ -57,7 +57,14 @@ def fsdp_of(api: Api) -> Any:
     return hp_fsdp if api is HP else torch_fsdp
 
 
-def apply(api: Api, model: Model, shape: tuple[int, ...], mode: str, **kwargs: Any) -> Any:
+def apply(
+    api: Api,
+    model: Model,
+    shape: tuple[int, ...],
+    mode: str,
+    src_data_rank: int | None = 0,
+    **kwargs: Any,
+) -> Any:
     """Shard ``model`` as ``mode`` ("fsdp", "hsdp", "fsdp_tp") on a mesh of ``shape``; the mesh."""
     fsdp = fsdp_of(api)
     names = {"fsdp": ("dp",), "hsdp": ("rep", "dp"), "fsdp_tp": ("dp", "tp")}[mode]
@@ -67,7 +74,10 @@ def apply(api: Api, model: Model, shape: tuple[int, ...], mode: str, **kwargs: A
         tp = api.parallel
         for block in model.blocks:
             tp.parallelize_module(
-                block, mesh["tp"], {"w1": tp.ColwiseParallel(), "w2": tp.RowwiseParallel()}
+                block,
+                mesh["tp"],
+                {"w1": tp.ColwiseParallel(), "w2": tp.RowwiseParallel()},
+                src_data_rank=src_data_rank,
             )
         dp_mesh = mesh["dp"]
     for block in model.blocks:

@@ -15,6 +15,7 @@ from hyper_parallel.dtensor import (
     collectives,
 )
 from hyper_parallel.dtensor._checkpointable import register_safe_globals as _register_safe_globals
+from hyper_parallel.dtensor._clip_grad import clip_grad_norm_
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
@@ -46,6 +47,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "clear_plan_cache",
+    "clip_grad_norm_",
     "collectives",
     "distribute_module",
     "distribute_tensor",
