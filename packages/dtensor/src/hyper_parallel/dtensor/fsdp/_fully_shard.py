@@ -48,7 +48,7 @@ __all__ = [
 
 # Parameters fully_shard replaced (by id, with a weak reference to tell a reused id): an
 # optimizer still holding one was built too early.
-_replaced_params: dict[int, weakref.ref[torch.Tensor]] = {}
+_replaced_params: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 _default_mesh: DeviceMesh | None = None
 _optimizer_hook_installed = False
 
@@ -524,7 +524,7 @@ def fully_shard(
             param, slots, info, dim, dev, spmd, mp_policy, offload_policy, _fqn(modules, slots[0])
         )
         fsdp_param.register(fsdp_param.sharded_param)
-        _replaced_params[id(param)] = weakref.ref(param)
+        _replaced_params[id(param)] = (weakref.ref(param), f"{fsdp_param.fqn!r} of {where}")
         params.append(fsdp_param)
     for m in modules:  # buffers follow the parameters to the device, as torch
         for name, buf in list(m._buffers.items()):
@@ -679,6 +679,15 @@ def _managed_params(
                 f"is also parameter {fqn!r} of FSDP module {owner!r}; a parameter shared by two "
                 "modules must go in one fully_shard([a, b]) call"
             )
+    # a parameter an earlier fully_shard replaced, still registered here: it was shared
+    for p, where_list in slots.items():
+        replaced_in = _replaced_by_fully_shard(p)
+        if replaced_in is not None:
+            raise ValueError(
+                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
+                f"is shared with {replaced_in}, which already sharded it; a parameter shared by two "
+                "modules must go in one fully_shard([a, b]) call"
+            )
     # a nested FSDP module's sharded parameter reached through another path is shared too
     for m in modules:
         for name, sub in m.named_modules():
@@ -778,6 +787,14 @@ def _joint_finder(
     return find
 
 
+def _replaced_by_fully_shard(p: torch.Tensor) -> str | None:
+    """Where fully_shard replaced ``p`` by a sharded parameter, or None."""
+    entry = _replaced_params.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]
+
+
 def _install_optimizer_check() -> None:
     global _optimizer_hook_installed
     if _optimizer_hook_installed:
@@ -788,8 +805,7 @@ def _install_optimizer_check() -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 assert isinstance(p, torch.Tensor)
-                ref = _replaced_params.get(id(p))
-                if ref is not None and ref() is p:
+                if _replaced_by_fully_shard(p) is not None:
                     raise RuntimeError(
                         f"{type(optimizer).__name__}.step: it holds a parameter of shape "
                         f"{tuple(p.shape)} that fully_shard replaced by a sharded DTensor; build "
