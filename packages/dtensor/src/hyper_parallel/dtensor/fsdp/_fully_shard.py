@@ -360,19 +360,15 @@ class FSDPModule:
             state.group.divide_factor = None if reduce_op_type == "avg" else 1.0
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        # to_empty / to(...) rebuild the sharded parameters: drop unsharded copies of old data
-        state = self._hp_fsdp_state
-        state.group.reshard()
+        # to_empty / to(...) rebuild the sharded parameters, possibly as new objects and
+        # possibly without calling the nested modules' _apply: reshard the whole subtree
+        # first, and afterwards take every group's sharded parameters from the modules.
+        states = self._fsdp_states(True)
+        for state in states:
+            state.group.reshard()
         result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
-        for p in state.group.params:
-            current = p.slots[0].module._parameters[p.slots[0].name]
-            assert isinstance(current, nn.Parameter)
-            p.sharded_param = current
-            p.unsharded_param = None
-            p._hooked = False  # type: ignore[attr-defined]
-            local = p.sharded_local
-            if local.device.type != "meta" and not p.offload:
-                p.device = local.device
+        for state in states:
+            state.group.refresh_sharded()
         return result
 
 

@@ -328,6 +328,24 @@ class FSDPParamGroup:
         self._hooks.append(p.unsharded_param.register_post_accumulate_grad_hook(ready))  # type: ignore[no-untyped-call]
         p._hooked = True  # type: ignore[attr-defined]
 
+    def refresh_sharded(self) -> None:
+        """Take the sharded parameters from the modules again (after ``to_empty`` / ``to``)."""
+        for p in self.params:
+            current = p.slots[0].module._parameters[p.slots[0].name]
+            assert isinstance(current, nn.Parameter)
+            if (
+                current is p.sharded_param
+                and p.unsharded_param is not None
+                and p.unsharded_param.device == p.sharded_local.device
+            ):
+                continue
+            p.sharded_param = current
+            p.unsharded_param = None  # rebuilt on the new device at the next unshard
+            p._hooked = False  # type: ignore[attr-defined]
+            local = p.sharded_local
+            if local.device.type != "meta" and not p.offload:
+                p.device = local.device
+
     def reshard(self) -> None:
         if not self.is_unsharded:
             return
@@ -373,7 +391,8 @@ class FSDPParamGroup:
                 # HSDP accumulation with reduce-scatter only: all-reduced at a later backward
                 self.partial_reduce_output = out
                 return
-            out = collectives.all_reduce(out, info.mesh, info.replicate_axis, "sum")
+            if info.replicate_size > 1:
+                out = collectives.all_reduce(out, info.mesh, info.replicate_axis, "sum")
         factor = (
             self.divide_factor
             if self.divide_factor is not None
