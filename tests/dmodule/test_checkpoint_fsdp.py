@@ -2,11 +2,14 @@
 
 Oracle: the same model, init and step in one process (loss, full state dicts through
 torch's own ``get_state_dict``); a state dict loaded into a fresh FSDP model (full,
-sharded, or broadcast from rank 0) gives the same full values back.
+sharded, or broadcast from rank 0) gives the same full values back; ``load_hf`` of a
+one-process model's transformers directory into a meta-built FSDP x TP model gives
+its values, each rank holding only its shards.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +19,13 @@ from tests.dmodule._checkpoint_training import CONFIG
 from torch.distributed.checkpoint.state_dict import StateDictOptions as TorchOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
 
-from hyper_parallel.dmodule.checkpoint import StateDictOptions, get_state_dict, set_state_dict
+from hyper_parallel.dmodule.checkpoint import (
+    StateDictOptions,
+    get_state_dict,
+    load_hf,
+    save_hf,
+    set_state_dict,
+)
 from hyper_parallel.dmodule.models.llama import parallelize_llama
 from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
 from hyper_parallel.dtensor import DTensor, init_device_mesh
@@ -47,15 +56,25 @@ def _step(model: Any, opt: torch.optim.Optimizer, rows: slice) -> float:
     return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
 
 
-def _fsdp_ranks() -> dict[str, Any]:
+def _fsdp_ranks(hf_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    # load_hf into a meta-built FSDP x TP model: each rank reads its slices
+    with torch.device("meta"):
+        hf_model = CONFIG.build()
+    parallelize_llama(hf_model, mesh)
+    hf_model.to_empty(device="cpu")
+    load_hf(hf_model, hf_dir)
+    hf_state: Any = hf_model.state_dict()
+    hf_full = {k: v.full_tensor() for k, v in hf_state.items()}
+    hf_local = {k: v.to_local().numel() for k, v in hf_state.items()}
     model, opt = _model(0, mesh)
     dp = mesh.get_local_rank("dp_shard")
     loss = _step(model, opt, slice(dp * 2, dp * 2 + 2))
     total = torch.tensor([loss])
     torch.distributed.all_reduce(total)
     out: dict[str, Any] = {"loss": float(total) / 4}  # 2 dp ranks x 2 tp ranks that agree
+    out["hf_full"], out["hf_local"] = hf_full, hf_local
     out["placements"] = {n: tuple(map(str, p.placements)) for n, p in model.named_parameters()}
     try:  # mixing FSDP with replicated data parallelism on one model is refused
         average_gradients(model, mesh, "dp_shard")
@@ -101,14 +120,24 @@ def _fsdp_ranks() -> dict[str, Any]:
     return out
 
 
-def test_fsdp_x_tp_llama_trains_as_one_process_and_its_state_dicts_round_trip() -> None:
+def test_fsdp_x_tp_llama_trains_as_one_process_and_its_state_dicts_round_trip(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(11)
+    saved = CONFIG.build()
+    saved.init_weights()
+    save_hf(saved, tmp_path)
+    saved_state = {k: v.detach().clone() for k, v in saved.state_dict().items()}
     model, opt = _model(0, None)
     loss = _step(model, opt, slice(0, 4))
     ref: Any = torch_get_state_dict(model, opt, options=TorchOptions(full_state_dict=True))
     msd, osd = ref
     ref_optim = _flat(osd)  # type: ignore[arg-type]
-    for rank, got in enumerate(run_on_ranks(_fsdp_ranks, 4, timeout_s=300)):
+    for rank, got in enumerate(run_on_ranks(_fsdp_ranks, 4, str(tmp_path), timeout_s=300)):
         what = f"rank {rank}"
+        for key, want in saved_state.items():
+            assert torch.equal(got["hf_full"][key], want), (what, "load_hf", key)
+            assert got["hf_local"][key] < want.numel(), (what, "a full tensor was read", key)
         assert abs(got["loss"] - loss) <= 1e-5 * abs(loss), (what, got["loss"], loss)
         # a Rowwise weight is (Shard(0), Shard(1)) on (dp_shard, tp); a Colwise one nests on (tp, dp_shard)
         assert got["placements"]["layers.0.attention.wo.weight"] == ("Shard(dim=0)", "Shard(dim=1)")

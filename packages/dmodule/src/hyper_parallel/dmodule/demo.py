@@ -502,9 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if k not in ("param_init", "sharding_config")
     )
     launcher = "torchrun" if under_torchrun else "built-in launcher"
+    fsdp = options.dp_shard * options.dp_replicate > 1
+    sharded = f" dp_shard={options.dp_shard} dp_replicate={options.dp_replicate}" if fsdp else ""
     print(
-        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp} "
-        f"dp_shard={options.dp_shard} dp_replicate={options.dp_replicate} on {world} "
+        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp}{sharded} on {world} "
         f"{options.device} processes ({launcher}); {options.steps} steps, batch "
         f"{options.batch_size} x {options.seq_len} tokens, seed {options.seed}\n  model: "
         f"{fields}",
@@ -545,7 +546,7 @@ def _main_torchrun(options: Options, world: int, start: float) -> int:
     platform = get_platform()
     if int(os.environ["WORLD_SIZE"]) != world:
         print(
-            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp = {world}",
+            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp x --dp-shard x --dp-replicate = {world}",
             file=sys.stderr,
         )
         return 2
