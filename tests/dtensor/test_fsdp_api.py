@@ -20,6 +20,7 @@ from torch import nn
 
 import hyper_parallel.dtensor as hp_dt
 from hyper_parallel.dtensor.fsdp import (
+    CPUOffloadPolicy,
     FSDPModule,
     HSDPModule,
     MixedPrecisionPolicy,
@@ -111,6 +112,31 @@ def _methods() -> dict[str, Any]:
         (s.grad.full_tensor(), a.grad.full_tensor() * 2)  # type: ignore[union-attr]
         for s, a in pairs
     ]
+
+    # Shard(1) placements, CPU offload and no reshard after forward: the same gradients
+    def grads_of(**kwargs: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        torch.manual_seed(0)
+        m = cases.Model()
+        cases.apply(HP, m, (2,), "fsdp", **kwargs)
+        nn.functional.mse_loss(m(xs[0, :4]), ys[0, :4]).backward()  # type: ignore[no-untyped-call]
+        named: dict[str, Any] = dict(m.named_parameters())
+        return (
+            {n: p.grad.full_tensor() for n, p in named.items()},
+            {n: str(p.placements) for n, p in named.items()},
+        )
+
+    out["default_grads"], _ = grads_of()
+    out["shard1"] = grads_of(
+        shard_placement_fn=lambda p: hp_dt.Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None
+    )
+    out["offload"] = grads_of(offload_policy=CPUOffloadPolicy(pin_memory=False))
+    out["no_reshard"] = grads_of(reshard_after_forward=False)
+    # ignored parameters stay plain tensors: neither sharded nor reduced
+    torch.manual_seed(0)
+    ignoring = cases.Model()
+    head: Any = ignoring.head.weight
+    fully_shard(ignoring, mesh=hp_dt.init_device_mesh("cpu", (2,)), ignored_params={head})
+    out["ignored_type"] = type(ignoring.head.weight).__name__
     # a registered forward method all-gathers like forward
     torch.manual_seed(0)
     model = cases.Model()
@@ -220,6 +246,15 @@ def test_methods_and_upstream_names(two_ranks: list[dict[str, Any]]) -> None:
         for summed, doubled in m["sum_over_avg"]:
             assert_close_to_scale(summed, doubled)
         assert m["method_counts"] == {"all_gather": 1}
+        w1 = "blocks.0.w1.weight"  # (10, 8): sharded on dim 1 by shard_placement_fn
+        assert (
+            m["shard1"][1][w1] == "(Shard(dim=1),)"
+            and m["shard1"][1]["blocks.0.w1.bias"] == "(Shard(dim=0),)"
+        )
+        for variant in ("shard1", "offload", "no_reshard"):
+            for n, g in m["default_grads"].items():
+                assert_close_to_scale(m[variant][0][n], g, what=f"{variant} grad {n}")
+        assert m["ignored_type"] == "Parameter"
 
 
 def test_bad_input_names_what_was_expected_and_changes_nothing(
