@@ -797,7 +797,13 @@ def _install_optimizer_check() -> None:
         return
     _optimizer_hook_installed = True
 
+    checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
     def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # once per optimizer and parameter count (add_param_group re-checks), not every step
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if checked.get(optimizer) == count:
+            return
         for group in optimizer.param_groups:
             for p in group["params"]:
                 assert isinstance(p, torch.Tensor)
@@ -807,5 +813,6 @@ def _install_optimizer_check() -> None:
                         f"{tuple(p.shape)} that fully_shard replaced by a sharded DTensor; build "
                         "the optimizer after fully_shard, from model.parameters()"
                     )
+        checked[optimizer] = count
 
     register_optimizer_step_pre_hook(check)
