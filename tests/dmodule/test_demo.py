@@ -82,3 +82,19 @@ def test_demo_resume_without_a_checkpoint_is_refused_before_starting_ranks(tmp_p
     done = _demo(["--resume", "--checkpoint-dir", str(tmp_path)])
     assert done.returncode == 2
     assert "no committed checkpoint" in done.stderr
+
+
+def test_demo_fsdp_x_tp_keeps_parity_and_resumes_onto_another_fsdp_mesh(tmp_path: Path) -> None:
+    ckpt, plot = tmp_path / "ckpt", tmp_path / "fsdp.png"
+    common = ["--seq-len", "8", "--checkpoint-dir", str(ckpt), "--plot", str(plot), *TINY]
+    first = _demo(
+        ["--tp", "2", "--dp-shard", "2", "--steps", "2", "--checkpoint-every", "1", *common]
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = first.stdout
+    assert "[Shard(dim=0), Shard(dim=1)]" in out  # a Rowwise weight on (dp_shard, tp)
+    assert "reduce_scatter" in out and "all_gather" in out and "PASS" in out
+    assert "parameters + gradients + optimizer state per rank" in out
+    resumed = _demo(["--tp", "1", "--dp-shard", "2", "--steps", "3", "--resume", *common])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at step 3" in resumed.stdout and "PASS" in resumed.stdout

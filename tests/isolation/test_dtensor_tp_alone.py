@@ -1,9 +1,11 @@
-"""hp-dtensor alone (its wheel and platform adapter, no hp-dmodule) runs torch's TP API.
+"""hp-dtensor alone (its wheel and platform adapter, no hp-dmodule) runs torch's TP and FSDP2 APIs.
 
 A fresh venv gets hp-dtensor's wheel with hp-platform-torch; a script there
 parallelizes a plain ``torch.nn`` MLP (Embedding, LayerNorm, RMSNorm, Linear) with
 ``hyper_parallel.dtensor.parallel`` on 2 gloo ranks and trains one step under
-``loss_parallel``. Oracle: the same model and step on full tensors in one process.
+``loss_parallel``; a second script shards an MLP with TP and ``fully_shard`` on
+(dp=2, tp=2) over 4 ranks and trains one step. Oracle: the same model and step on full
+tensors in one process.
 """
 
 from __future__ import annotations
@@ -71,6 +73,46 @@ if __name__ == "__main__":
     print("tp ok")
 """
 
+FSDP_SCRIPT = """
+import importlib.util, sys
+import torch, torch.nn as nn, torch.nn.functional as F
+from hyper_parallel.dtensor import init_device_mesh
+from hyper_parallel.dtensor.fsdp import fully_shard
+from hyper_parallel.dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hyper_parallel.platform_torch.launch import run_distributed
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 8)))
+
+
+def rank_step(x, y):
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = build()
+    parallelize_module(m[1], mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(m[1], mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    dp = mesh.get_local_rank("dp")
+    F.mse_loss(m(x[dp * 2 : dp * 2 + 2]), y[dp * 2 : dp * 2 + 2]).backward()
+    grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+    return grads, [n for n in sys.modules if n.startswith("hyper_parallel.dmodule")]
+
+
+if __name__ == "__main__":
+    assert importlib.util.find_spec("hyper_parallel.dmodule") is None, "hp-dmodule is installed"
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 8, generator=gen)
+    ref = build()
+    F.mse_loss(ref(x), y).backward()
+    for grads, dmodule in run_distributed(rank_step, 4, args=(x, y), timeout_s=240):
+        assert not dmodule, dmodule
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-4 * float(p.grad.abs().max()))
+    print("fsdp ok")
+"""
+
 
 def test_hp_dtensor_alone_runs_a_torch_tp_example(
     tmp_path: Path, wheels: dict[str, Path], constraints: Path
@@ -81,3 +123,6 @@ def test_hp_dtensor_alone_runs_a_torch_tp_example(
     script = tmp_path / "tp_example.py"
     script.write_text(SCRIPT)
     assert run([python, script], cwd=tmp_path).strip().endswith("tp ok")
+    fsdp_script = tmp_path / "fsdp_tp_example.py"
+    fsdp_script.write_text(FSDP_SCRIPT)
+    assert run([python, fsdp_script], cwd=tmp_path).strip().endswith("fsdp ok")

@@ -21,6 +21,7 @@ from hyper_parallel.dmodule.model_spec import (
     unregister_spec,
 )
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.planner import ShardingError, check_sharding, validate_sharding
 from hyper_parallel.dmodule.sharding import (
     LocalMapConfig,
     OutputShardings,
@@ -28,7 +29,6 @@ from hyper_parallel.dmodule.sharding import (
     resolve_placements,
 )
 from hyper_parallel.dmodule.types import PLACEMENT_CODEC, MeshAxisName, NamedPlacement
-from hyper_parallel.dmodule.planner import ShardingError, check_sharding, validate_sharding
 
 if TYPE_CHECKING:
     from hyper_parallel.dmodule.containers import ModuleDict, ModuleList, Sequential

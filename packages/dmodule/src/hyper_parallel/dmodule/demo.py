@@ -31,7 +31,7 @@ from hyper_parallel.dmodule.checkpoint import (
     save,
     step_path,
 )
-from hyper_parallel.dmodule.models.llama import Llama
+from hyper_parallel.dmodule.models.llama import Llama, apply_fsdp
 from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
 from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives, init_device_mesh
 from hyper_parallel.platform import get_platform
@@ -74,6 +74,13 @@ class Options:
     pp: int = 1
     schedule: str = "1F1B"
     microbatches: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def world(self) -> int:
+        """Ranks the run needs: ``tp x dp x pp x dp_shard x dp_replicate``."""
+        return self.tp * self.dp * self.pp * self.dp_shard * self.dp_replicate
 
 
 @dataclass
@@ -92,6 +99,7 @@ class RankReport:
     history: list[float] = field(default_factory=list)
     #: With ``--pp``: every rank's parameter bytes (its stages' local shards), in rank order.
     param_bytes: list[int] = field(default_factory=list)
+    state_bytes: tuple[int, int] = (0, 0)  # this rank's params + grads + optimizer; full model's
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -110,6 +118,12 @@ def parse_args(argv: Sequence[str]) -> Options:
     )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument(
+        "--dp-shard", type=int, default=1, help="fully sharded data-parallel size (FSDP)"
+    )
+    parser.add_argument(
+        "--dp-replicate", type=int, default=1, help="HSDP replicas of the --dp-shard groups"
+    )
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--batch-size", type=int, default=8, help="global batch (default 8)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
@@ -149,6 +163,21 @@ def parse_args(argv: Sequence[str]) -> Options:
         )
     if args.batch_size % args.dp:
         problems.append(f"--batch-size {args.batch_size} must divide by --dp {args.dp}")
+    if args.dp_shard < 1 or args.dp_replicate < 1:
+        problems.append(
+            f"--dp-shard and --dp-replicate must be >= 1 (found {args.dp_shard}, "
+            f"{args.dp_replicate})"
+        )
+    elif args.dp_shard * args.dp_replicate > 1:
+        if args.dp > 1:
+            problems.append("--dp (replicated) cannot be combined with --dp-shard/--dp-replicate")
+        if args.dp_replicate > 1 and args.dp_shard == 1:
+            problems.append("--dp-replicate needs --dp-shard > 1 (for plain replicas use --dp)")
+        if args.batch_size % (args.dp_shard * args.dp_replicate):
+            problems.append(
+                f"--batch-size {args.batch_size} must divide by --dp-shard x --dp-replicate "
+                f"{args.dp_shard * args.dp_replicate}"
+            )
     if args.seq_len > model.max_seq_len:
         problems.append(f"--seq-len {args.seq_len} exceeds --model.max_seq_len {model.max_seq_len}")
     if args.checkpoint_every < 0:
@@ -184,6 +213,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         args.pp,
         args.schedule,
         args.microbatches or args.pp,
+        args.dp_shard,
+        args.dp_replicate,
     )
 
 
@@ -225,6 +256,8 @@ def _pipeline_problems(args: argparse.Namespace, model: Llama.Config) -> list[st
         )
     if args.checkpoint_dir or args.resume:
         problems.append("--checkpoint-dir and --resume do not support --pp yet")
+    if args.dp_shard > 1 or args.dp_replicate > 1:
+        problems.append("--dp-shard and --dp-replicate do not compose with --pp yet")
     return problems
 
 
@@ -342,10 +375,18 @@ def train_rank(options: Options) -> RankReport | None:
     platform = get_platform()
     rank = platform.get_rank()
     device = platform.device_for(options.device)
-    mesh = init_device_mesh(options.device, (options.dp, options.tp), mesh_dim_names=("dp", "tp"))
+    fsdp = options.dp_shard * options.dp_replicate > 1
+    if fsdp:  # TP, then fully_shard over dp_shard (HSDP with dp_replicate)
+        dp_axes: tuple[str, ...] = ("dp_replicate", "dp_shard")
+        shape: tuple[int, ...] = (options.dp_replicate, options.dp_shard, options.tp)
+    else:
+        dp_axes, shape = ("dp",), (options.dp, options.tp)
+    mesh = init_device_mesh(options.device, shape, mesh_dim_names=(*dp_axes, "tp"))
     with torch.device("meta"):
         model = options.model.build()
     model.parallelize(mesh["tp"])
+    if fsdp:
+        apply_fsdp(model, mesh)
     model.to_empty(device=device)
     torch.manual_seed(options.seed)
     with warnings.catch_warnings():
@@ -367,7 +408,14 @@ def train_rank(options: Options) -> RankReport | None:
             )
     history: list[float] = list(train.extra.get("losses", []))
     first_step = train.step + 1
-    dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
+    dp_rank, dp_size = 0, 1
+    for axis in dp_axes:  # row-major over the data-parallel axes
+        dp_rank, dp_size = (
+            dp_rank * mesh.size(axis) + mesh.get_local_rank(axis),
+            dp_size * mesh.size(axis),
+        )
+    local_batch = options.batch_size // dp_size
+    state_bytes = (0, 0)
     losses: list[float] = []
     seconds: list[float] = []
     counts: Counter[str] = Counter()
@@ -386,10 +434,13 @@ def train_rank(options: Options) -> RankReport | None:
         with count_collectives(step_counts, nbytes if step == first_step else Counter()):
             loss = model.loss(tokens[rows].to(device), targets[rows].to(device))
             loss.backward()
-            average_gradients(model, mesh, "dp")
+            if not fsdp:
+                average_gradients(model, mesh, "dp")
         optimizer.step()
+        if step == first_step:
+            state_bytes = _state_bytes(model, optimizer)
         optimizer.zero_grad()
-        reported = collectives.all_reduce(loss.detach(), mesh, "dp", "avg")
+        reported = collectives.all_reduce_over(loss.detach(), mesh, dp_axes, "avg")
         seconds.append(time.perf_counter() - start)
         losses.append(float(reported.item()))
         if step == first_step:
@@ -416,7 +467,27 @@ def train_rank(options: Options) -> RankReport | None:
         seconds,
         first_step,
         history,
+        state_bytes=state_bytes,
     )
+
+
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """This rank's parameter + gradient + optimizer-state bytes, and the full model's."""
+
+    def local(t: torch.Tensor) -> int:
+        shard = t.to_local() if isinstance(t, DTensor) else t
+        return shard.numel() * shard.element_size()
+
+    mine, full = 0, 0
+    for p in model.parameters():
+        mine += local(p) + (local(p.grad) if p.grad is not None else 0)
+        full += 2 * p.numel() * p.element_size()  # the parameter and its gradient
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                mine += local(value)
+                full += value.numel() * value.element_size()
+    return mine, full
 
 
 def sharding_plan(
@@ -476,6 +547,12 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
     print(f"  {'module':<{width}}{'param':<8}{'placement':<24}{'global shape':<16}local shape")
     for module, name, placements, full_shape, local in result.plan:
         print(f"  {module:<{width}}{name:<8}{placements:<24}{full_shape!s:<16}{local}")
+    mine, full = result.state_bytes
+    if full:
+        print(
+            f"\nparameters + gradients + optimizer state per rank: {mine / 1024:.1f} KiB "
+            f"(the full model's: {full / 1024:.1f} KiB, {full / max(mine, 1):.2f}x more)"
+        )
     print("\ncollectives per training step (rank 0; forward + backward + dp gradient average):")
     for kind, (count, nbytes) in sorted(result.collectives.items()):
         print(f"  {kind:<15} x{count:<4} {nbytes / 1024:9.1f} KiB")
@@ -569,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     options = parse_args(sys.argv[1:] if argv is None else argv)
-    world = options.tp * options.dp * options.pp
+    world = options.world
     cfg = options.model
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     start = time.perf_counter()
@@ -579,8 +656,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if k not in ("param_init", "sharding_config")
     )
     launcher = "torchrun" if under_torchrun else "built-in launcher"
+    fsdp = options.dp_shard * options.dp_replicate > 1
+    sharded = f" dp_shard={options.dp_shard} dp_replicate={options.dp_replicate}" if fsdp else ""
     print(
-        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp}"
+        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp}{sharded}"
         + (f" pp={options.pp} ({options.schedule})" if options.pp > 1 else "")
         + f" on {world} "
         f"{options.device} processes ({launcher}); {options.steps} steps, batch "
@@ -623,7 +702,8 @@ def _main_torchrun(options: Options, world: int, start: float) -> int:
     platform = get_platform()
     if int(os.environ["WORLD_SIZE"]) != world:
         print(
-            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp x --pp = {world}",
+            f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp x --dp x --pp x "
+            f"--dp-shard x --dp-replicate = {world}",
             file=sys.stderr,
         )
         return 2

@@ -12,8 +12,8 @@ import torch
 from hyper_parallel.config import ConfigError, Configurable, enforce_module_config_slots
 from hyper_parallel.dmodule._forward import ForwardPlan
 from hyper_parallel.dmodule.local_map import local_states
-from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.planner import ShardingError, plan_parallelize
+from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
 from hyper_parallel.platform import get_platform
 

@@ -17,6 +17,7 @@ from hyper_parallel.dtensor import (
     collectives,
 )
 from hyper_parallel.dtensor._checkpointable import rebuild_dtensor as _rebuild_dtensor
+from hyper_parallel.dtensor._clip_grad import clip_grad_norm_
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
@@ -52,6 +53,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "clear_plan_cache",
+    "clip_grad_norm_",
     "collectives",
     "distribute_module",
     "distribute_tensor",

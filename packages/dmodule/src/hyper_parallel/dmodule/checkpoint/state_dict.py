@@ -11,6 +11,7 @@ add that part.
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,7 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from hyper_parallel.dtensor import DTensor, distribute_tensor
+from hyper_parallel.dtensor import (
+    DeviceMesh,
+    DTensor,
+    collectives,
+    distribute_tensor,
+    init_device_mesh,
+)
 from hyper_parallel.platform import get_platform
 
 __all__ = ["ModelState", "StateDictOptions", "get_state_dict", "set_state_dict"]
@@ -75,7 +82,11 @@ def set_state_dict(
 
     Plain full tensors (a ``full_state_dict``, or one saved by an unparallelized
     model) are laid out like the model's parameters first: each rank keeps its
-    slice, with no communication. Returns torch's missing/unexpected keys.
+    slice, with no communication. With ``broadcast_from_rank0`` (and
+    ``full_state_dict``) only rank 0 needs the state dicts (the others may pass
+    ``{}``): rank 0's are broadcast to every rank (through
+    ``hyper_parallel.dtensor.collectives``; each rank holds the full dicts while it
+    slices them), as for torch's FSDP models. Returns torch's missing/unexpected keys.
 
     Example::
 
@@ -83,10 +94,12 @@ def set_state_dict(
     """
     options = options or StateDictOptions()
     if options.broadcast_from_rank0:
-        raise ValueError(
-            "set_state_dict: broadcast_from_rank0 is not supported for hp DTensors; give every "
-            "rank the full state dict (or load a sharded DCP checkpoint, which reads only each "
-            "rank's slices)"
+        if not options.full_state_dict:
+            raise ValueError(
+                "set_state_dict: broadcast_from_rank0=True needs full_state_dict=True (as torch)"
+            )
+        model_state_dict, optim_state_dict = _from_rank0(
+            model, (model_state_dict, optim_state_dict)
         )
     params = dict(model.named_parameters())
     current = model.state_dict()
@@ -99,7 +112,9 @@ def set_state_dict(
             fqn: _optimizer_state_like(fqn, states, params.get(fqn))
             for fqn, states in optim_state_dict["state"].items()
         }
-    sharded = dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
+    sharded = dataclasses.replace(
+        options, full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
+    )
     return torch_set_state_dict(
         model,
         optimizers,
@@ -146,6 +161,36 @@ class ModelState(Stateful):
             optim_state_dict=state_dict.get("optim", {}),
             options=self.options,
         )
+
+
+_world_meshes: dict[str, DeviceMesh] = {}
+
+
+def _from_rank0(model: torch.nn.Module, dicts: tuple[Any, Any]) -> Any:
+    """Rank 0's ``dicts`` on every rank: pickled bytes, broadcast over a world mesh."""
+    device_type = "cpu"
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            device_type = p.device_mesh.device_type
+            break
+    platform = get_platform()
+    mesh = _world_meshes.get(device_type)
+    if mesh is None:
+        mesh = _world_meshes[device_type] = init_device_mesh(
+            device_type, (platform.get_world_size(),)
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    payload = torch.empty(0, dtype=torch.uint8, device=device)
+    if platform.get_rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(_map_tensors(dicts, lambda t: t.detach().cpu()), buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    size = collectives.broadcast(size, mesh, 0, 0)
+    if platform.get_rank() != 0:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    payload = collectives.broadcast(payload, mesh, 0, 0)
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=True)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -29,8 +29,16 @@ from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_
 from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
+from hyper_parallel.dtensor.fsdp import fully_shard
 
-__all__ = ["LLAMA_PIPELINE_SPLIT", "LLAMA_SPEC", "Llama", "parallelize_llama", "pipeline_llama"]
+__all__ = [
+    "LLAMA_PIPELINE_SPLIT",
+    "LLAMA_SPEC",
+    "Llama",
+    "apply_fsdp",
+    "parallelize_llama",
+    "pipeline_llama",
+]
 
 
 class Llama(BaseModel):
@@ -247,7 +255,10 @@ def _flavors() -> dict[str, Any]:
 
 #: The reference model's spec: ``get_spec("llama-ref").config("debug").build()``.
 def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
-    """The spec's ``parallelize_fn``: the layouts the layers' Configs declare, over ``mesh["tp"]``.
+    """The spec's ``parallelize_fn``: the Configs' layouts over ``mesh["tp"]``, then FSDP.
+
+    A mesh with a ``dp_shard`` axis (and ``dp_replicate``) is then fully sharded over it
+    (:func:`apply_fsdp`).
 
     Example::
 
@@ -256,7 +267,37 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None)
     del job_config  # the layouts are declared in the Configs
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
-    return model.parallelize(mesh[tp_name] if len(names) > 1 and tp_name in names else mesh)
+    if tp_name in names:
+        model.parallelize(mesh[tp_name] if len(names) > 1 else mesh)
+    elif axis_name(MeshAxisName.DP_SHARD) not in names:
+        model.parallelize(mesh)
+    apply_fsdp(model, mesh)  # TorchTitan's order: TP, then FSDP
+    return model
+
+
+def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
+    """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
+
+    The units are TorchTitan's: the embeddings, each block, the final norm and the output
+    together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+    if shard not in names:
+        return model
+    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+    dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard([model.norm, model.output], mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
 
 
 def _llama_activation(config: Llama.Config) -> NamedPlacement:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
+from hyper_parallel.dtensor.fsdp import FSDPModule
 
 __all__ = ["average_gradients", "synthetic_batch"]
 
@@ -46,6 +47,16 @@ def average_gradients(model: torch.nn.Module, mesh: DeviceMesh, axis: str = "dp"
 
         >>> loss.backward(); average_gradients(model, mesh, "dp"); optimizer.step()  # doctest: +SKIP
     """
+    fsdp = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, FSDPModule)
+    ]
+    if fsdp:
+        raise ValueError(
+            f"average_gradients: {fsdp[0]!r} is fully sharded (fully_shard); FSDP already averages "
+            "its gradients over its data-parallel mesh: use one data-parallel scheme per model"
+        )
     if mesh.size(axis) == 1:
         return
     for param in model.parameters():
