@@ -14,6 +14,10 @@ import torch
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpoint_mode,
+)
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import (
@@ -247,14 +251,20 @@ def _flavors() -> dict[str, Any]:
 def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
     """The spec's ``parallelize_fn``: the layouts the layers' Configs declare, over ``mesh["tp"]``.
 
+    Then, in TorchTitan's order, activation checkpointing of every block when
+    ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or ``"selective"``.
+
     Example::
 
         model = parallelize_llama(Llama.Config().build(), mesh)
+        model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
-    del job_config  # the layouts are declared in the Configs
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
-    return model.parallelize(mesh[tp_name] if len(names) > 1 and tp_name in names else mesh)
+    ac_mode = checkpoint_mode(job_config)  # checked before anything changes
+    model.parallelize(mesh[tp_name] if len(names) > 1 and tp_name in names else mesh)
+    apply_activation_checkpointing(model.layers, mode=ac_mode)
+    return model
 
 
 LLAMA_SPEC = ModelSpec(
