@@ -178,7 +178,9 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self._run, *args, policy_fn=self.policy_fn, **kwargs)
+        # the forward's keywords are bound first: none can be taken for one of checkpoint's
+        run = functools.partial(self._run, **kwargs) if kwargs else self._run
+        return checkpoint(run, *args, policy_fn=self.policy_fn)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
