@@ -10,10 +10,11 @@ from tests._harness import run_on_ranks
 from tests._tolerance import assert_close_to_scale
 from torch import nn
 
-from hyper_parallel.dtensor import CommDebugMode, DTensor, init_device_mesh
+from hyper_parallel.dtensor import CommDebugMode, DTensor, Replicate, init_device_mesh
 from hyper_parallel.dtensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     overlap_grad_reduce,
     parallelize_module,
@@ -37,6 +38,40 @@ def _graph_names(tensor: torch.Tensor) -> set[str]:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class _TwoHeads(nn.Module):
+    """One replicated input feeding two column-parallel linears (as wq/wk/wv share x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(x) * self.b(x)
+        return out
+
+
+def _shared_input_counts(mesh: Any, enabled: bool) -> dict[str, Any]:
+    """Backward collectives of two colwise linears sharing one replicated DTensor input."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    parallelize_module(
+        model,
+        mesh,
+        PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate()),
+    )
+    parallelize_module(model, mesh, {"a": ColwiseParallel(), "b": ColwiseParallel()})
+    leaf = torch.randn(3, 8, requires_grad=True)
+    with overlap_grad_reduce(enabled):
+        loss = model(leaf).sum()
+    with CommDebugMode() as comm:
+        loss.backward()
+    return {
+        "counts": comm.counts(),
+        "overlapped": "_ColwiseOverlappedBackward" in _graph_names(loss),
+    }
 
 
 def _overlap_on_and_off() -> dict[str, Any]:
@@ -63,6 +98,7 @@ def _overlap_on_and_off() -> dict[str, Any]:
             "grads": [leaf.grad, *(_full(p.grad) for p in model.parameters())],  # type: ignore[arg-type]
             "backward_collectives": comm.counts(),
             "overlapped": "_ColwiseOverlappedBackward" in _graph_names(loss),
+            "shared": _shared_input_counts(mesh, enabled),
         }
     return found
 
@@ -73,6 +109,9 @@ def test_colwise_overlap_gives_the_same_gradients_and_collectives_as_without() -
         assert on["overlapped"] and not off["overlapped"], f"rank {rank}"
         assert on["backward_collectives"] == off["backward_collectives"], f"rank {rank}"
         assert on["backward_collectives"].get("all_reduce") == 1, on["backward_collectives"]
+        # a shared replicated DTensor input: its summed gradient is reduced once, not per linear
+        assert on["shared"]["counts"] == off["shared"]["counts"] == {"all_reduce": 1}, on
+        assert not on["shared"]["overlapped"]
         for got_on, got_off, want in zip(on["grads"], off["grads"], found["want"], strict=True):
             assert_close_to_scale(got_on, want, rel=1e-5)
             assert_close_to_scale(got_off, want, rel=1e-5)

@@ -10,13 +10,15 @@ replicated input's gradient is Partial, reduced where the input became a DTensor
 collectives, at a fraction of the Python cost. A module whose ``forward`` is not
 ``nn.Linear``'s, or an input laid out otherwise, takes the ordinary DTensor path.
 
-A column-parallel linear whose replicated input was made from a plain tensor by its
-input hook (``DTensor.from_local``) reduces that input's gradient in its own backward,
+A column-parallel linear whose replicated input arrives as a plain tensor (this rank's
+copy, made for this linear alone) reduces that input's gradient in its own backward,
 overlapped with the weight-gradient matmul (Megatron-LM's
 ``LinearWithGradAccumulationAndAsyncCommunication``): the all-reduce is issued
 asynchronously right after the input gradient is computed and waited for once the
-weight and bias gradients are done. It is the same all-reduce ``from_local``'s
-backward would make, moved earlier; :func:`overlap_grad_reduce` turns it off.
+weight and bias gradients are done. It is the same all-reduce the input's
+``from_local`` would make in backward, moved earlier; :func:`overlap_grad_reduce` turns
+it off. A replicated DTensor input may feed several linears: its gradients are summed
+and reduced once where it was made, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.dtensor import collectives
-from hyper_parallel.dtensor._autograd import FromLocal
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -96,38 +97,48 @@ class _ColwiseOverlapped(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def _overlaps(x: DTensor) -> bool:
-    """Whether ``x``'s gradient may be reduced inside the linear: ``from_local``'s backward
-    would all-reduce it (Partial -> Replicate) and do nothing else."""
-    return (
-        _overlap.get()
-        and x.requires_grad
-        and torch.is_grad_enabled()
-        and x.device_mesh.size() > 1
-        and isinstance(x.grad_fn, FromLocal._backward_cls)  # type: ignore[attr-defined]
-    )
-
-
 _R: tuple[Placement, ...] = (Replicate(),)
 _P: tuple[Placement, ...] = (Partial(),)
 
 
 def _colwise(module: nn.Linear, x: Any, return_local: bool) -> Any:
-    if not (isinstance(x, DTensor) and x.placements == _R):
-        return nn.Linear.forward(module, x)
     weight: Any = module.weight
     bias: Any = module.bias
-    local_bias = bias.to_local() if bias is not None else None
-    if _overlaps(x):
-        local = _ColwiseOverlapped.apply(
-            x.to_local(grad_placements=_R), weight.to_local(), local_bias, x.device_mesh
-        )
+    if isinstance(x, DTensor):
+        # A replicated DTensor may feed several linears (wq, wk, wv): its Partial gradients
+        # are summed and reduced once where it was made, so none is reduced here.
+        if x.placements != _R:
+            return nn.Linear.forward(module, x)
+        mesh = x.device_mesh
+        local_x = x.to_local(grad_placements=_P)
+    elif isinstance(x, torch.Tensor):
+        # A plain input is this rank's copy of a replicated tensor, made for this linear
+        # alone (the style's input hook kept it plain): its gradient is reduced here.
+        mesh = weight.device_mesh
+        if _overlap.get() and torch.is_grad_enabled() and mesh.size() > 1:
+            local = _ColwiseOverlapped.apply(
+                x, weight.to_local(), bias.to_local() if bias is not None else None, mesh
+            )
+            return _colwise_output(module, local, x.shape, mesh, return_local)
+        local_x = DTensor.from_local(x, mesh, _R).to_local(grad_placements=_P)
     else:
-        local = F.linear(x.to_local(grad_placements=_P), weight.to_local(), local_bias)
+        return nn.Linear.forward(module, x)
+    local_bias = bias.to_local() if bias is not None else None
+    local = F.linear(local_x, weight.to_local(), local_bias)
+    return _colwise_output(module, local, x.shape, mesh, return_local)
+
+
+def _colwise_output(
+    module: nn.Linear,
+    local: torch.Tensor,
+    input_shape: torch.Size,
+    mesh: DeviceMesh,
+    return_local: bool,
+) -> Any:
     if return_local:  # the style's output hook would only unwrap it again
         return local
-    shape = (*x.shape[:-1], module.out_features)
-    return DTensor.from_local(local, x.device_mesh, (Shard(local.ndim - 1),), shape=shape)
+    shape = (*input_shape[:-1], module.out_features)
+    return DTensor.from_local(local, mesh, (Shard(local.ndim - 1),), shape=shape)
 
 
 def _rowwise(module: nn.Linear, x: Any) -> Any:
