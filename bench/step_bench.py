@@ -40,6 +40,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ours_local_map": "bench.ours.llama_ref:build_local_map_step",
     "ours_user_model": "bench.ours.user_model:build_user_model_step",
     "ours_tp_api": "bench.ours.tp_api:build_hp_tp_step",
+    "ours_tp_api_no_overlap": "bench.ours.tp_api:build_hp_tp_step_no_overlap",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"

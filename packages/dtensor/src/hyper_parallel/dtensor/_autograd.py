@@ -172,6 +172,8 @@ class Redistribute(torch.autograd.Function):
     ``forward_dtype`` casts the shard before the move (the result has that dtype);
     ``backward_dtype`` casts the gradient before its move, after which it returns to
     the input's dtype (torch's ``redistribute(forward_dtype=, backward_dtype=)``).
+    ``async_op``: the forward's collectives are waited for at the result's first use;
+    the backward's complete before it returns (the gradient is then a plain shard).
     """
 
     @staticmethod
@@ -181,6 +183,7 @@ class Redistribute(torch.autograd.Function):
         dst: tuple[Placement, ...],
         forward_dtype: torch.dtype | None,
         backward_dtype: torch.dtype | None,
+        async_op: bool = False,
     ) -> DTensor:
         src_spec = dt._spec
         ctx.src_spec = src_spec
@@ -191,7 +194,7 @@ class Redistribute(torch.autograd.Function):
         if forward_dtype is not None and forward_dtype != local.dtype:
             local = local.to(forward_dtype)
             moving = _with_dtype(src_spec, forward_dtype)
-        local = redistribute_local(local, moving, dst)
+        local = redistribute_local(local, moving, dst, async_op=async_op)
         if local is dt._local_tensor:
             local = local.view_as(local)
         return type(dt)(local, moving.with_placements(dst), requires_grad=dt.requires_grad)
@@ -199,7 +202,7 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[DTensor, None, None, None]:
+    ) -> tuple[DTensor, None, None, None, None]:
         src_spec: DTensorSpec = ctx.src_spec
         tensor_type: TensorType = ctx.tensor_type
         grad_dt = _as_dtensor_grad(tensor_type, grad, src_spec)
@@ -212,7 +215,7 @@ class Redistribute(torch.autograd.Function):
         local = redistribute_local(local, spec, target)
         if local.dtype != input_dtype:
             local, spec = local.to(input_dtype), _with_dtype(spec, input_dtype)
-        return tensor_type(local, spec.with_placements(target)), None, None, None
+        return tensor_type(local, spec.with_placements(target)), None, None, None, None
 
 
 def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:

@@ -179,9 +179,14 @@ def _program(
 
 
 def redistribute_local(
-    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]
+    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...], *, async_op: bool = False
 ) -> torch.Tensor:
-    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd)."""
+    """Return this rank's shard of ``spec``'s tensor laid out as ``dst`` (no autograd).
+
+    ``async_op``: the collectives are issued without waiting; the result may be pending,
+    waited for by the first op that reads it (a step that must read a previous step's
+    result, such as trimming an uneven gather, waits there, as in torch).
+    """
     if spec.placements == dst:
         return local
     mesh = spec.mesh
@@ -218,7 +223,7 @@ def redistribute_local(
         parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
         bounds = chunk_bounds(parent, n)
         padded = pad_dim(local, p.dim, bounds[1] - bounds[0])
-        stacked = collectives.all_gather(padded, mesh, axis)
+        stacked = collectives.all_gather(padded, mesh, axis, async_op=async_op)
         local = _stacked_to_dim(stacked, p.dim, bounds)
         current[axis] = Replicate()
 
@@ -230,14 +235,16 @@ def redistribute_local(
         if isinstance(d, Shard) and _is_lone_shard(d.dim, axis, current, dst):
             bounds = chunk_bounds(local.shape[d.dim], n)
             stacked = _split_to_stacked(local, d.dim, bounds)
-            reduced = collectives.reduce_scatter(stacked, mesh, axis, s.reduce_op)
+            reduced = collectives.reduce_scatter(
+                stacked, mesh, axis, s.reduce_op, async_op=async_op
+            )
             r = mesh.get_local_rank(axis)
             local = reduced.narrow(d.dim, 0, bounds[r + 1] - bounds[r])
             if local.shape[d.dim] != reduced.shape[d.dim]:
                 local = local.contiguous()
             current[axis] = d
         else:
-            local = collectives.all_reduce(local, mesh, axis, s.reduce_op)
+            local = collectives.all_reduce(local, mesh, axis, s.reduce_op, async_op=async_op)
             current[axis] = Replicate()
 
     # 3. all-to-all between two lone shards of one axis.
@@ -250,7 +257,7 @@ def redistribute_local(
         dst_bounds = chunk_bounds(global_shape[d.dim], n)
         padded = pad_dim(local, s.dim, src_bounds[1] - src_bounds[0])
         stacked = _split_to_stacked(padded, d.dim, dst_bounds)
-        exchanged = collectives.all_to_all(stacked, mesh, axis)
+        exchanged = collectives.all_to_all(stacked, mesh, axis, async_op=async_op)
         # slot j holds rank j's rows of dim s.dim (padded) for this rank's chunk of d.dim
         mine = dst_bounds[r + 1] - dst_bounds[r]
         exchanged = exchanged.narrow(d.dim + 1, 0, mine)

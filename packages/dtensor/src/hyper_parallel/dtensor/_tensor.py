@@ -278,11 +278,15 @@ class DTensor(torch.Tensor):
 
         As in torch, ``forward_dtype`` casts the shard before the collective (the result
         has that dtype); ``backward_dtype`` casts the gradient before the backward
-        collective, after which it returns to this DTensor's dtype.
+        collective, after which it returns to this DTensor's dtype. ``async_op=True``
+        issues the collectives and returns at once: the result's local shard (an
+        ``AsyncCollectiveTensor``, as in torch) is waited for by the first op that reads
+        it, so work placed in between overlaps the communication.
 
         Example::
 
             full = dt.redistribute(placements=[Replicate()])
+            pending = dt.redistribute(placements=[Replicate()], async_op=True)
             low = dt.redistribute(placements=[Replicate()], forward_dtype=torch.bfloat16)
         """
         mesh = self._spec.mesh
@@ -295,7 +299,7 @@ class DTensor(torch.Tensor):
         cast = forward_dtype is not None and forward_dtype != self.dtype
         if dst == self._spec.placements and not cast and backward_dtype is None:
             return self
-        return Redistribute.apply(self, dst, forward_dtype, backward_dtype)  # type: ignore[no-any-return]
+        return Redistribute.apply(self, dst, forward_dtype, backward_dtype, bool(async_op))  # type: ignore[no-any-return]
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank, as a plain tensor; differentiable.

@@ -11,7 +11,9 @@ uses) as a :class:`CollectiveRecord`: the kind, this rank's input bytes, the gro
 size and the mesh axis.
 
 Like the platform's collectives they are out of place: they return new tensors and
-leave their inputs untouched. Every rank of the axis's group must call them in the same
+leave their inputs untouched. ``async_op=True`` (all-gather, all-reduce, reduce-scatter,
+all-to-all) issues the collective and returns at once; the first op that reads the
+result (or :func:`wait`) waits for it. The record is made when the collective is issued. Every rank of the axis's group must call them in the same
 order with the same shapes.
 
 Example::
@@ -46,6 +48,7 @@ __all__ = [
     "observe_collectives",
     "reduce_scatter",
     "scatter",
+    "wait",
 ]
 
 Axis = int | str
@@ -112,7 +115,9 @@ def _report(kind: str, tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, size:
             observer(record)
 
 
-def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis) -> torch.Tensor:
+def all_gather(
+    tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, *, async_op: bool = False
+) -> torch.Tensor:
     """Every rank's ``tensor`` along ``axis``, stacked in local-rank order: ``(size, *shape)``.
 
     Example::
@@ -121,20 +126,31 @@ def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis) -> torch.Tens
     """
     size = mesh.size(axis)
     _report("all_gather", tensor, mesh, axis, size)
+    if async_op:
+        return get_platform().all_gather(tensor, mesh.get_group(axis), async_op=True)
     return get_platform().all_gather(tensor, mesh.get_group(axis))
 
 
 def all_reduce(
-    tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, reduce_op: ReduceOpName = "sum"
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: Axis,
+    reduce_op: ReduceOpName = "sum",
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """Element-wise reduction of every rank's ``tensor`` along ``axis`` ("avg": floating dtypes).
 
     Example::
 
         total = all_reduce(torch.ones(3), mesh, "tp")   # tensor([2., 2., 2.]) on 2 ranks
+        pending = all_reduce(grad, mesh, "tp", async_op=True)   # overlap with other work
+        grad = wait(pending)
     """
     size = mesh.size(axis)
     _report("all_reduce", tensor, mesh, axis, size)
+    if async_op:
+        return get_platform().all_reduce(tensor, mesh.get_group(axis), reduce_op, async_op=True)
     return get_platform().all_reduce(tensor, mesh.get_group(axis), reduce_op)
 
 
@@ -153,7 +169,12 @@ def all_reduce_over(
 
 
 def reduce_scatter(
-    stacked: torch.Tensor, mesh: DeviceMesh, axis: Axis, reduce_op: ReduceOpName = "sum"
+    stacked: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: Axis,
+    reduce_op: ReduceOpName = "sum",
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """Reduce ``(size, *chunk)`` inputs along ``axis``; this rank gets its ``chunk``.
 
@@ -163,10 +184,15 @@ def reduce_scatter(
     """
     size = mesh.size(axis)
     _report("reduce_scatter", stacked, mesh, axis, size)
-    return get_platform().reduce_scatter(stacked, mesh.get_group(axis), reduce_op)
+    group = mesh.get_group(axis)
+    if async_op:
+        return get_platform().reduce_scatter(stacked, group, reduce_op, async_op=True)
+    return get_platform().reduce_scatter(stacked, group, reduce_op)
 
 
-def all_to_all(stacked: torch.Tensor, mesh: DeviceMesh, axis: Axis) -> torch.Tensor:
+def all_to_all(
+    stacked: torch.Tensor, mesh: DeviceMesh, axis: Axis, *, async_op: bool = False
+) -> torch.Tensor:
     """Slot ``i`` of ``(size, *chunk)`` goes to local rank ``i``; slot ``j`` of the result came from ``j``.
 
     Example::
@@ -175,7 +201,21 @@ def all_to_all(stacked: torch.Tensor, mesh: DeviceMesh, axis: Axis) -> torch.Ten
     """
     size = mesh.size(axis)
     _report("all_to_all", stacked, mesh, axis, size)
+    if async_op:
+        return get_platform().all_to_all(stacked, mesh.get_group(axis), async_op=True)
     return get_platform().all_to_all(stacked, mesh.get_group(axis))
+
+
+def wait(tensor: torch.Tensor) -> torch.Tensor:
+    """The values of an ``async_op=True`` collective's result, waited for; any other tensor as is.
+
+    Example::
+
+        pending = all_reduce(grad, mesh, "tp", async_op=True)
+        weight_grad = grad_out.t() @ x          # runs while the all-reduce is in flight
+        grad = wait(pending)
+    """
+    return get_platform().wait(tensor)
 
 
 def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, src: int = 0) -> torch.Tensor:

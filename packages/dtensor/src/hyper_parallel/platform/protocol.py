@@ -87,24 +87,46 @@ class Platform(Protocol):
         ...
 
     # -- collectives (out of place, group-local ranks) -------------------------
-    def all_gather(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    # ``async_op=True`` (all_gather, all_reduce, reduce_scatter, all_to_all): the collective
+    # is issued and the call returns at once; the result may be a tensor whose values are
+    # waited for by the first op that reads them, or by :meth:`wait` (torch: an
+    # ``AsyncCollectiveTensor``). Every other part of the contract holds.
+    def all_gather(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+    ) -> torch.Tensor:
         """Stack every rank's ``tensor`` in group-rank order: shape ``(group_size, *shape)``."""
         ...
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        reduce_op: ReduceOpName,
+        *,
+        async_op: bool = False,
     ) -> torch.Tensor:
         """Element-wise reduction of every rank's ``tensor`` ("avg" needs a floating dtype)."""
         ...
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        reduce_op: ReduceOpName,
+        *,
+        async_op: bool = False,
     ) -> torch.Tensor:
         """Reduce ``(group_size, *chunk)`` inputs across ranks; return this rank's ``chunk``."""
         ...
 
-    def all_to_all(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def all_to_all(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+    ) -> torch.Tensor:
         """Input slot ``i`` goes to group-rank ``i``; output slot ``j`` came from group-rank ``j``."""
+        ...
+
+    def wait(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The values of an ``async_op=True`` result, waited for (any other tensor: itself)."""
         ...
 
     def broadcast(self, tensor: torch.Tensor, group: ProcessGroup | None, src: int) -> torch.Tensor:

@@ -8,6 +8,13 @@ Where a backend lacks a native collective (older gloo: reduce-scatter,
 all-to-all, all-gather into one tensor) an equivalent built from the collectives
 it has is used; which backends lack what is learnt from the first call that the
 backend refuses (the refusal is local and identical on every rank).
+
+``async_op=True`` (all-gather, all-reduce, reduce-scatter, all-to-all) issues torch's
+functional collective (``torch.distributed._functional_collectives``) and returns its
+``AsyncCollectiveTensor`` at once: the first op that reads it (other than a view), or
+:func:`wait`, waits for the values. Where that is not possible (a group of one, an
+``"avg"`` reduction, which gloo lacks natively, a backend without the functional
+collective) the call completes before it returns, as without ``async_op``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 from hyper_parallel.platform_torch.devices import backend_for, set_current_device
@@ -39,6 +47,7 @@ __all__ = [
     "new_group",
     "reduce_scatter",
     "scatter",
+    "wait",
 ]
 
 ReduceOpName = Literal["sum", "avg", "product", "max", "min"]
@@ -241,8 +250,39 @@ def _native_or_fallback(
     return fallback()
 
 
+def _issue_async(
+    collective: str, group: ProcessGroup | None, issue: Callable[[ProcessGroup], torch.Tensor]
+) -> torch.Tensor | None:
+    """torch's functional ``collective``, pending (None where the backend refused it before)."""
+    key = (dist.get_backend(group), f"functional {collective}")
+    if key in _UNSUPPORTED:
+        return None
+    try:
+        return issue(group if group is not None else dist.group.WORLD)  # type: ignore[arg-type]
+    except (RuntimeError, NotImplementedError) as error:
+        if not _is_unsupported(error):
+            raise
+        _UNSUPPORTED.add(key)
+        return None
+
+
+def wait(tensor: torch.Tensor) -> torch.Tensor:
+    """The values of an ``async_op=True`` collective's result, waited for; any other tensor as is.
+
+    Example::
+
+        >>> pending = all_reduce(x, group, "sum", async_op=True)  # doctest: +SKIP
+        >>> total = wait(pending)  # a plain tensor  # doctest: +SKIP
+    """
+    if isinstance(tensor, funcol.AsyncCollectiveTensor):
+        return tensor.wait()
+    return tensor
+
+
 # -- collectives ---------------------------------------------------------------
-def all_gather(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def all_gather(
+    tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+) -> torch.Tensor:
     """Stack every group rank's ``tensor`` (same shape everywhere) in group-rank order.
 
     Example::
@@ -254,6 +294,11 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     source = _physical(tensor)
     if size == 1:
         return _dense_copy(source).unsqueeze(0)
+    if async_op:
+        gather_flat = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        pending = _issue_async("all_gather", group, lambda g: gather_flat(source.view(-1), 0, g))
+        if pending is not None:
+            return pending.view(size, *source.shape)  # a view: still pending
     out = source.new_empty((size, *source.shape))
 
     def native() -> torch.Tensor:
@@ -276,7 +321,11 @@ def _all_gather_by_list(
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    reduce_op: ReduceOpName,
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """Element-wise ``reduce_op`` ("sum", "avg", "product", "max", "min") of every rank's ``tensor``.
 
@@ -290,6 +339,13 @@ def all_reduce(
     """
     _check_reduce_op("all_reduce", tensor, reduce_op)
     size = dist.get_world_size(group)
+    if async_op and size > 1 and reduce_op != "avg":
+        source = _physical(tensor)
+        pending = _issue_async(
+            "all_reduce", group, lambda g: funcol.all_reduce(source, reduce_op, g)
+        )
+        if pending is not None:
+            return pending
     out = _dense_copy(tensor)
     if size == 1:
         return out
@@ -300,7 +356,11 @@ def all_reduce(
 
 
 def reduce_scatter(
-    tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    reduce_op: ReduceOpName,
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """Reduce the ``(group_size, *chunk)`` inputs across ranks; return this rank's ``chunk``.
 
@@ -315,6 +375,15 @@ def reduce_scatter(
     if size == 1:
         return _dense_copy(tensor[0])
     source = _physical(tensor)
+    if async_op and reduce_op != "avg":
+        scatter_flat = (
+            getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        )
+        pending = _issue_async(
+            "reduce_scatter", group, lambda g: scatter_flat(source.view(-1), reduce_op, 0, g)
+        )
+        if pending is not None:
+            return pending.view(source.shape[1:])
     op = _NATIVE_OPS["sum" if reduce_op == "avg" else reduce_op]
 
     def native() -> torch.Tensor:
@@ -337,7 +406,9 @@ def reduce_scatter(
     return out
 
 
-def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def all_to_all(
+    tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+) -> torch.Tensor:
     """Send input slot ``i`` to group-rank ``i``; output slot ``j`` came from group-rank ``j``.
 
     Example::
@@ -350,6 +421,12 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     source = _physical(tensor)
     if size == 1:
         return _dense_copy(source)
+    if async_op:
+        pending = _issue_async(
+            "all_to_all", group, lambda g: funcol.all_to_all_single(source.view(-1), None, None, g)
+        )
+        if pending is not None:
+            return pending.view(source.shape)
 
     def native() -> torch.Tensor:
         out = torch.empty_like(source)

@@ -68,25 +68,43 @@ class TorchPlatform:
         return comm.new_group(ranks)
 
     # -- collectives -----------------------------------------------------------
-    def all_gather(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+    ) -> torch.Tensor:
         """Stack every rank's ``tensor`` in group-rank order."""
-        return comm.all_gather(tensor, group)
+        return comm.all_gather(tensor, group, async_op=async_op)
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        reduce_op: ReduceOpName,
+        *,
+        async_op: bool = False,
     ) -> torch.Tensor:
         """Element-wise reduction across the group (out of place)."""
-        return comm.all_reduce(tensor, group, reduce_op)
+        return comm.all_reduce(tensor, group, reduce_op, async_op=async_op)
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: ReduceOpName
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        reduce_op: ReduceOpName,
+        *,
+        async_op: bool = False,
     ) -> torch.Tensor:
         """Reduce ``(group_size, *chunk)`` inputs; return this rank's chunk."""
-        return comm.reduce_scatter(tensor, group, reduce_op)
+        return comm.reduce_scatter(tensor, group, reduce_op, async_op=async_op)
 
-    def all_to_all(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def all_to_all(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False
+    ) -> torch.Tensor:
         """Exchange slot ``i`` of every rank's input with group-rank ``i``."""
-        return comm.all_to_all(tensor, group)
+        return comm.all_to_all(tensor, group, async_op=async_op)
+
+    def wait(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The values of an ``async_op=True`` result (an ``AsyncCollectiveTensor``), waited for."""
+        return comm.wait(tensor)
 
     def broadcast(self, tensor: torch.Tensor, group: ProcessGroup | None, src: int) -> torch.Tensor:
         """Group-rank ``src``'s ``tensor`` on every rank (a new tensor)."""

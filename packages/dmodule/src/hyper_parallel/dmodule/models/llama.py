@@ -15,6 +15,10 @@ import torch
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpoint_mode,
+)
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import (
@@ -255,23 +259,29 @@ def _flavors() -> dict[str, Any]:
 
 #: The reference model's spec: ``get_spec("llama-ref").config("debug").build()``.
 def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
-    """The spec's ``parallelize_fn``: the Configs' layouts over ``mesh["tp"]``, then FSDP.
+    """The spec's ``parallelize_fn``: TP, activation checkpointing, then FSDP (TorchTitan's order).
 
-    A mesh with a ``dp_shard`` axis (and ``dp_replicate``) is then fully sharded over it
-    (:func:`apply_fsdp`).
+    The Configs' layouts over ``mesh["tp"]``; then activation checkpointing of every block
+    when ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
+    ``"selective"``; then, on a mesh with a ``dp_shard`` axis (and ``dp_replicate``), fully
+    sharded data parallelism over it (:func:`apply_fsdp`).
 
     Example::
 
         model = parallelize_llama(Llama.Config().build(), mesh)
+        model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
-    del job_config  # the layouts are declared in the Configs
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
+    ac_mode = checkpoint_mode(job_config)  # checked before anything changes
     if tp_name in names:
         model.parallelize(mesh[tp_name] if len(names) > 1 else mesh)
     elif axis_name(MeshAxisName.DP_SHARD) not in names:
         model.parallelize(mesh)
-    apply_fsdp(model, mesh)  # TorchTitan's order: TP, then FSDP
+    # TorchTitan's order: TP, activation checkpointing, then FSDP (whose hooks stay outside
+    # the checkpointed forward, so the recompute does not unshard twice)
+    apply_activation_checkpointing(model.layers, mode=ac_mode)
+    apply_fsdp(model, mesh)
     return model
 
 

@@ -15,6 +15,7 @@ Example::
     model = parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
 """
 
+from hyper_parallel.dtensor.parallel._local_linear import overlap_grad_reduce
 from hyper_parallel.dtensor.parallel.api import parallelize_module
 from hyper_parallel.dtensor.parallel.loss import loss_parallel
 from hyper_parallel.dtensor.parallel.style import (
@@ -36,5 +37,6 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "loss_parallel",
+    "overlap_grad_reduce",
     "parallelize_module",
 ]

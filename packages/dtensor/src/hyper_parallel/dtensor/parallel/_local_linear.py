@@ -9,38 +9,136 @@ by one through the sharding rules: the same values, placements, gradients (a
 replicated input's gradient is Partial, reduced where the input became a DTensor) and
 collectives, at a fraction of the Python cost. A module whose ``forward`` is not
 ``nn.Linear``'s, or an input laid out otherwise, takes the ordinary DTensor path.
+
+A column-parallel linear whose replicated input arrives as a plain tensor (this rank's
+copy, made for this linear alone) reduces that input's gradient in its own backward,
+overlapped with the weight-gradient matmul (Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication``): the all-reduce is issued
+asynchronously right after the input gradient is computed and waited for once the
+weight and bias gradients are done. It is the same all-reduce the input's
+``from_local`` would make in backward, moved earlier; :func:`overlap_grad_reduce` turns
+it off. A replicated DTensor input may feed several linears: its gradients are summed
+and reduced once where it was made, as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["use_local_linear"]
+__all__ = ["overlap_grad_reduce", "use_local_linear"]
+
+_overlap: ContextVar[bool] = ContextVar("hp_overlap_grad_reduce", default=True)
+
+
+@contextmanager
+def overlap_grad_reduce(enabled: bool = True) -> Iterator[None]:
+    """Whether column-parallel linears made in this context overlap their input-gradient all-reduce.
+
+    On by default. Read when a linear runs forward; the values and collectives are the
+    same either way, only when the all-reduce runs differs.
+
+    Example::
+
+        with overlap_grad_reduce(False):   # the all-reduce after the backward matmuls
+            loss = model(x).sum()
+        loss.backward()
+    """
+    token = _overlap.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _overlap.reset(token)
+
+
+class _ColwiseOverlapped(torch.autograd.Function):
+    """``F.linear`` of a replicated input's copy; backward all-reduces the input gradient
+    while the weight and bias gradients are computed (the input gradient leaves reduced)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        mesh: DeviceMesh,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.mesh = mesh
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        pending = None
+        if ctx.needs_input_grad[0]:
+            pending = collectives.all_reduce(grad.matmul(weight), ctx.mesh, 0, async_op=True)
+        # while the all-reduce is in flight: the weight and bias gradients
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1]))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = collectives.wait(pending) if pending is not None else None
+        return grad_x, grad_weight, grad_bias, None
+
 
 _R: tuple[Placement, ...] = (Replicate(),)
 _P: tuple[Placement, ...] = (Partial(),)
 
 
 def _colwise(module: nn.Linear, x: Any, return_local: bool) -> Any:
-    if not (isinstance(x, DTensor) and x.placements == _R):
+    weight: Any = module.weight
+    bias: Any = module.bias
+    if isinstance(x, DTensor):
+        # A replicated DTensor may feed several linears (wq, wk, wv): its Partial gradients
+        # are summed and reduced once where it was made, so none is reduced here.
+        if x.placements != _R:
+            return nn.Linear.forward(module, x)
+        mesh = x.device_mesh
+        local_x = x.to_local(grad_placements=_P)
+    elif isinstance(x, torch.Tensor):
+        # A plain input is this rank's copy of a replicated tensor, made for this linear
+        # alone (the style's input hook kept it plain): its gradient is reduced here.
+        mesh = weight.device_mesh
+        if _overlap.get() and torch.is_grad_enabled() and mesh.size() > 1:
+            local = _ColwiseOverlapped.apply(
+                x, weight.to_local(), bias.to_local() if bias is not None else None, mesh
+            )
+            return _colwise_output(module, local, x.shape, mesh, return_local)
+        local_x = DTensor.from_local(x, mesh, _R).to_local(grad_placements=_P)
+    else:
         return nn.Linear.forward(module, x)
-    weight, bias = module.weight, module.bias
-    local = F.linear(
-        x.to_local(grad_placements=_P),
-        weight.to_local(),  # type: ignore[attr-defined]
-        bias.to_local() if bias is not None else None,  # type: ignore[attr-defined]
-    )
+    local_bias = bias.to_local() if bias is not None else None
+    local = F.linear(local_x, weight.to_local(), local_bias)
+    return _colwise_output(module, local, x.shape, mesh, return_local)
+
+
+def _colwise_output(
+    module: nn.Linear,
+    local: torch.Tensor,
+    input_shape: torch.Size,
+    mesh: DeviceMesh,
+    return_local: bool,
+) -> Any:
     if return_local:  # the style's output hook would only unwrap it again
         return local
-    shape = (*x.shape[:-1], module.out_features)
-    return DTensor.from_local(local, x.device_mesh, (Shard(local.ndim - 1),), shape=shape)
+    shape = (*input_shape[:-1], module.out_features)
+    return DTensor.from_local(local, mesh, (Shard(local.ndim - 1),), shape=shape)
 
 
 def _rowwise(module: nn.Linear, x: Any) -> Any:

@@ -208,7 +208,11 @@ class ColwiseParallel(_LinearStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_linear_or_embedding(self, module, type(module).__name__)
         weight_dim = 1 if isinstance(module, nn.Embedding) else 0
-        return self._distribute(module, device_mesh, {"*": Shard(weight_dim)}, "colwise", False)
+        # a plain replicated input stays plain: the local linear reduces its gradient itself
+        keep_plain = local_linear_applies(module, "colwise", self.output_layouts)
+        return self._distribute(
+            module, device_mesh, {"*": Shard(weight_dim)}, "colwise", keep_plain
+        )
 
 
 class RowwiseParallel(_LinearStyle):
