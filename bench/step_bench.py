@@ -40,6 +40,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ours_local_map": "bench.ours.llama_ref:build_local_map_step",
     "ours_user_model": "bench.ours.user_model:build_user_model_step",
     "ours_tp_api": "bench.ours.tp_api:build_hp_tp_step",
+    "ours_compiled": "bench.ours.user_model:build_user_model_compiled_step",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"
