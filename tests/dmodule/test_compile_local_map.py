@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from tests._harness import run_on_ranks
@@ -107,6 +108,25 @@ def _compiled_vs_eager(world_size: int) -> dict[str, Any]:
         assert records["compiled"] == records["eager"], records
         out["graphs"].append(counters["stats"]["unique_graphs"])
     out["graph_breaks"] = dict(counters["graph_break"])
+    # llama-ref's model-wide switch: every local_map block of the model compiled
+    from hyper_parallel.dmodule.models.llama import Llama
+
+    llama = Llama.Config(
+        vocab_size=16,
+        dim=16,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        ffn_dim=32,
+        max_seq_len=8,
+        use_local_map=True,
+        compile_local_map=True,
+    ).build()
+    llama.parallelize(mesh)
+    plans = [getattr(m, "_hp_forward_plan", None) for m in llama.modules()]
+    local_plans = [p for p in plans if p is not None and p.local_map]
+    out["llama_local_maps"] = len(local_plans)
+    out["llama_compiled"] = sum(p.compile for p in local_plans)
     out["collectives"] = records["eager"]
     return out
 
@@ -114,6 +134,8 @@ def _compiled_vs_eager(world_size: int) -> dict[str, Any]:
 def test_compiled_local_map_matches_eager_without_recompiles_or_graph_breaks() -> None:
     for result in run_on_ranks(_compiled_vs_eager, 2, 2, timeout_s=600.0):
         assert result["switched"] == 1
+        assert result["llama_local_maps"] >= 4  # attention and feed-forward per block
+        assert result["llama_compiled"] == result["llama_local_maps"]
         first, *later = result["graphs"]
         assert first >= 1, "nothing was compiled"
         assert all(n == first for n in later), f"recompiled across steps: {result['graphs']}"
@@ -127,3 +149,8 @@ def test_compile_option_round_trips_and_is_off_by_default() -> None:
     assert LocalMapConfig.from_dict(config.to_dict()) == config
     assert LocalMapConfig().compile is False
     assert compile_local_maps(torch.nn.Linear(2, 2)) == 0  # no local_map block
+    from hyper_parallel.config import ConfigError
+    from hyper_parallel.dmodule.models.llama import Llama
+
+    with pytest.raises(ConfigError, match="use_local_map"):
+        Llama.Config(compile_local_map=True)
