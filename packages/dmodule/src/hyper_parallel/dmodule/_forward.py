@@ -256,8 +256,20 @@ class ForwardPlan:
 
     def _finish_local(self, outputs: Any) -> Any:
         """``finish_outputs`` with every plain output that needs a gradient wrapped in one node."""
-        if self.out_src is None and self.out_dst is None:
+        src, dst = self.out_src, self.out_dst
+        if src is None and dst is None:
             return outputs
+        if (
+            type(outputs) is torch.Tensor
+            and outputs.requires_grad
+            and (src is None or type(src) is EveryOutput)
+            and (dst is None or type(dst) is EveryOutput)
+        ):  # the common case, one plain tensor: no walk over the output structure
+            src_p = src.placements if src is not None else None
+            dst_p = dst.placements if dst is not None else None
+            layout = src_p if src_p is not None else dst_p
+            assert layout is not None
+            return exit_local(self.mesh, [OutputStep(layout, dst_p)], [outputs])[0]
         pending: list[tuple[OutputStep, torch.Tensor]] = []
 
         def leaf(value: torch.Tensor, src: Placements | None, dst: Placements | None) -> Any:
