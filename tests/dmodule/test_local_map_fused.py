@@ -221,6 +221,34 @@ def _fused_boundary(world_size: int) -> dict[str, Any]:
     with torch.no_grad():
         expected = block(x)["y"].full_tensor()  # the unfused path (no autograd)
     out["swap_seen"] = not torch.equal(before, after) and torch.equal(after, expected)
+
+    # -- under torch's activation checkpointing (non-reentrant): the recompute reuses the
+    #    kept views and gives the same gradients bit for bit
+    def run(checkpointed: bool) -> dict[str, torch.Tensor]:
+        x = distribute_tensor(x_full, mesh, [Replicate()]).requires_grad_()
+        for p in block.parameters():
+            p.grad = None
+
+        def body(value: torch.Tensor) -> torch.Tensor:
+            y: torch.Tensor = block(value)["y"]
+            return y
+
+        if checkpointed:
+            y = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+        else:
+            y = body(x)
+        assert isinstance(y, DTensor)
+        torch.autograd.backward((y.to_local() ** 2).sum())
+        assert isinstance(x.grad, DTensor)
+        grads = {"x": x.grad.to_local()}
+        for name in ("w1", "w2"):
+            grad = block.get_parameter(name).grad
+            assert isinstance(grad, DTensor)
+            grads[name] = grad.to_local()
+        return grads
+
+    plain, checkpointed = run(False), run(True)
+    out["checkpoint_same"] = all(torch.equal(plain[k], checkpointed[k]) for k in plain)
     return out
 
 
@@ -237,3 +265,4 @@ def test_local_map_boundary_is_one_node_each_way_and_matches_one_device_and_unfu
         assert result["fused.w1.grad_placements"] == (Shard(0),)
         assert result["fused.w2.grad_placements"] == (Shard(1),)
         assert result["swap_seen"]
+        assert result["checkpoint_same"]
