@@ -19,11 +19,17 @@ from bench.common.harness import TPContext
 from bench.common.llama import LlamaConfig
 from bench.ours.llama_ref import full_grads, zero_grads
 
-from hyper_parallel.dmodule import LocalMapConfig, MeshAxisName, Module, ShardingConfig
+from hyper_parallel.dmodule import (
+    LocalMapConfig,
+    MeshAxisName,
+    Module,
+    ShardingConfig,
+    compile_local_maps,
+)
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dtensor import Partial, Replicate, Shard, init_device_mesh
 
-__all__ = ["build_user_model_step"]
+__all__ = ["build_user_model_compiled_step", "build_user_model_step"]
 
 TP = MeshAxisName.TP
 REPLICATED = {TP: Replicate()}
@@ -230,3 +236,16 @@ def build_user_model_step(
         >>> step = build_user_model_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
     """
     return UserModelStep(cfg, full_weights, ctx)
+
+
+def build_user_model_compiled_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(g): (e) with every local_map block's local math compiled (``compile_local_maps``).
+
+    Example:
+        >>> step = build_user_model_compiled_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    step = UserModelStep(cfg, full_weights, ctx)
+    compile_local_maps(step.model)
+    return step

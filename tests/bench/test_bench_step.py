@@ -46,10 +46,11 @@ def test_step_bench_times_both_baselines_with_parity_and_writes_json(tmp_path: P
     for name in ("megatron", "torch_tp"):
         entry = result["impls"][name]
         assert entry["status"] == "ok" and entry["parity_ok"], entry
-        assert entry["median_ms"] > 0
+        assert 0 < entry["min_ms"] <= entry["median_ms"]
         assert entry["comm_forward"] == {"all_reduce": 4} == entry["comm_backward"]
     assert result["impls"]["megatron"]["ratio_vs_megatron"] == 1.0
     assert result["impls"]["torch_tp"]["ratio_vs_torch_tp"] == 1.0
+    assert result["impls"]["megatron"]["min_ratio_vs_megatron"] == 1.0
 
 
 def test_step_bench_flags_wrong_and_failing_implementations_and_skips_missing(

@@ -11,6 +11,7 @@ Example::
 from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.config import Configurable
+from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter, ModuleProtocolError
 from hyper_parallel.dmodule.model_spec import (
     ModelRegistry,
@@ -53,6 +54,7 @@ __all__ = [
     "ShardingError",
     "UnknownModelError",
     "check_sharding",
+    "compile_local_maps",
     "get_spec",
     "register_spec",
     "resolve_placements",

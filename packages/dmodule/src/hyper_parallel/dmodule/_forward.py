@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,15 @@ from typing import Any, TypeAlias, cast
 
 import torch
 
+from hyper_parallel.dmodule.local_map import (
+    InputStep,
+    OutputStep,
+    enter_local,
+    exit_local,
+    local_states,
+    swap_back,
+    swap_in,
+)
 from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, enforce_layout
@@ -19,10 +29,12 @@ __all__ = [
     "OutputLayout",
     "OutputMap",
     "OutputSequence",
+    "compile_local_maps",
     "resolve_output_layout",
 ]
 
 Placements: TypeAlias = tuple[Placement, ...]
+LeafFn: TypeAlias = "Callable[[torch.Tensor, Placements | None, Placements | None], Any]"
 
 _POSITIONAL_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _forward_signatures: dict[type, tuple[tuple[str, ...], frozenset[str], bool]] = {}
@@ -136,6 +148,7 @@ class ForwardPlan:
     out_dst: OutputLayout | None = None
     local_map: bool = False
     in_grad: dict[str, Placements] = field(default_factory=dict)
+    compile: bool = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ForwardPlan:
         return self  # immutable; its mesh holds process groups, which cannot be copied
@@ -174,20 +187,121 @@ class ForwardPlan:
             return value.to_local(grad_placements=grad)
         return value
 
+    # -- a local_map call ---------------------------------------------------------------
+    def call_local(
+        self,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``forward(module, *args, **kwargs)`` on local inputs and states (``local_map``).
+
+        With autograd recording, the inputs enter through one autograd node and the
+        outputs leave through one (see :mod:`hyper_parallel.dmodule.local_map`), the
+        states' local views are kept across calls while unchanged, and ``forward`` is
+        the compiled one under ``LocalMapConfig(compile=True)``. Values, gradients and
+        collectives are those of the unfused path (``prepare_inputs``, ``local_states``,
+        ``finish_outputs``), which runs when autograd does not record.
+        """
+        if self.compile:
+            forward = compiled(forward)
+        if not torch.is_grad_enabled():
+            args, kwargs = self.prepare_inputs(args, kwargs)
+            with local_states(module):
+                outputs = forward(module, *args, **kwargs)
+            return self.finish_outputs(outputs)
+        names = self.positional_names
+        steps: list[InputStep] = []
+        values: list[torch.Tensor] = []
+        where: list[int | str] = []
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                step = self._input_step(names[i] if i < len(names) else None, value)
+                if step is not None:
+                    steps.append(step)
+                    values.append(value)
+                    where.append(i)
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                step = self._input_step(name, value)
+                if step is not None:
+                    steps.append(step)
+                    values.append(value)
+                    where.append(name)
+        local_inputs, slots, views = enter_local(module, self.mesh, steps, values)
+        if local_inputs:
+            new_args, kwargs = list(args), dict(kwargs)
+            for key, local in zip(where, local_inputs, strict=True):
+                if isinstance(key, int):
+                    new_args[key] = local
+                else:
+                    kwargs[key] = local
+            args = tuple(new_args)
+        swap_in(slots, views)
+        try:
+            outputs = forward(module, *args, **kwargs)
+        finally:
+            swap_back(slots)
+        return self._finish_local(outputs)
+
+    def _input_step(self, name: str | None, value: torch.Tensor) -> InputStep | None:
+        src = self.in_src.get(name) if name is not None else None
+        dst = self.in_dst.get(name) if name is not None else None
+        grad = self.in_grad.get(name) if name is not None else None
+        if isinstance(value, DTensor):
+            return InputStep(None, dst, grad)
+        layout = src if src is not None else dst
+        return None if layout is None else InputStep(layout, dst, grad)
+
+    def _finish_local(self, outputs: Any) -> Any:
+        """``finish_outputs`` with every plain output that needs a gradient wrapped in one node."""
+        src, dst = self.out_src, self.out_dst
+        if src is None and dst is None:
+            return outputs
+        if (
+            type(outputs) is torch.Tensor
+            and outputs.requires_grad
+            and (src is None or type(src) is EveryOutput)
+            and (dst is None or type(dst) is EveryOutput)
+        ):  # the common case, one plain tensor: no walk over the output structure
+            src_p = src.placements if src is not None else None
+            dst_p = dst.placements if dst is not None else None
+            layout = src_p if src_p is not None else dst_p
+            assert layout is not None
+            return exit_local(self.mesh, [OutputStep(layout, dst_p)], [outputs])[0]
+        pending: list[tuple[OutputStep, torch.Tensor]] = []
+
+        def leaf(value: torch.Tensor, src: Placements | None, dst: Placements | None) -> Any:
+            layout = src if src is not None else dst
+            if isinstance(value, DTensor) or not value.requires_grad or layout is None:
+                return self._finish_tensor(value, src, dst)
+            pending.append((OutputStep(layout, dst), value))
+            return _Pending(len(pending) - 1)
+
+        result = self._finish(outputs, self.out_src, self.out_dst, "output", leaf)
+        if not pending:
+            return result
+        finished = exit_local(self.mesh, [s for s, _ in pending], [v for _, v in pending])
+        return _fill(result, finished)
+
     # -- outputs -----------------------------------------------------------------------
     def finish_outputs(self, outputs: Any) -> Any:
         """Wrap plain outputs (``out_src``) and redistribute them (``out_dst``)."""
         if self.out_src is None and self.out_dst is None:
             return outputs
-        return self._finish(outputs, self.out_src, self.out_dst, "output")
+        return self._finish(outputs, self.out_src, self.out_dst, "output", self._finish_tensor)
 
     def _finish(
-        self, value: Any, src: OutputLayout | None, dst: OutputLayout | None, path: str
+        self,
+        value: Any,
+        src: OutputLayout | None,
+        dst: OutputLayout | None,
+        path: str,
+        leaf: LeafFn,
     ) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._finish_tensor(
-                value, self._leaf(src, path, "out_src"), self._leaf(dst, path, "out_dst")
-            )
+            return leaf(value, self._leaf(src, path, "out_src"), self._leaf(dst, path, "out_dst"))
         if isinstance(value, (tuple, list)):
             n = len(value)
             items = [
@@ -196,6 +310,7 @@ class ForwardPlan:
                     self._child(src, i, n, path, "out_src"),
                     self._child(dst, i, n, path, "out_dst"),
                     f"{path}[{i}]",
+                    leaf,
                 )
                 for i, item in enumerate(value)
             ]
@@ -213,6 +328,7 @@ class ForwardPlan:
                         self._child(src, key, None, path, "out_src"),
                         self._child(dst, key, None, path, "out_dst"),
                         f"{path}[{key!r}]",
+                        leaf,
                     ),
                 )
                 for key, item in value.items()
@@ -274,3 +390,63 @@ class ForwardPlan:
                     f"{self.owner}: {kind}_shardings names outputs {missing} that forward did "
                     f"not return at {path}; it returned keys {sorted(map(str, value))}"
                 )
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """Where the ``index``-th output of the boundary node goes in the output structure."""
+
+    index: int
+
+
+def _fill(value: Any, finished: Sequence[torch.Tensor]) -> Any:
+    if isinstance(value, _Pending):
+        return finished[value.index]
+    if isinstance(value, (tuple, list)):
+        items = [_fill(item, finished) for item in value]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)  # a namedtuple
+        return type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((key, _fill(item, finished)) for key, item in value.items())
+    return value
+
+
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(forward)``, made once per forward function (inductor, no full graph).
+
+    Example::
+
+        >>> compiled(len) is compiled(len)
+        True
+    """
+    found = _compiled.get(forward)
+    if found is None:
+        found = _compiled[forward] = torch.compile(forward)
+    return found
+
+
+def compile_local_maps(model: torch.nn.Module, enabled: bool = True) -> int:
+    """Run every ``local_map`` block of a parallelized ``model`` compiled (or eager again).
+
+    The model-wide form of ``LocalMapConfig(compile=True)``: what runs on local tensors
+    inside each block goes through ``torch.compile`` (inductor); the DTensor boundaries,
+    and so the collectives, stay eager. Returns how many blocks it switched.
+
+    Example::
+
+        >>> compile_local_maps(torch.nn.Linear(2, 2))   # no local_map block: nothing to do
+        0
+    """
+    switched = 0
+    for module in model.modules():
+        plan = getattr(module, "_hp_forward_plan", None)
+        if isinstance(plan, ForwardPlan) and plan.local_map:
+            object.__setattr__(
+                module, "_hp_forward_plan", dataclasses.replace(plan, compile=enabled)
+            )
+            switched += 1
+    return switched

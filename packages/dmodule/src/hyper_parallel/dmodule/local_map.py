@@ -2,21 +2,44 @@
 
 Inside a ``local_map`` block ops run on plain tensors (no DTensor dispatch); the
 block writes its own collectives when it needs any and declares the layout of what
-it returns with ``out_src_shardings``. Gradients reach the DTensor parameters
-because ``DTensor.to_local`` is differentiable.
+it returns with ``out_src_shardings``.
+
+A call crosses the DTensor boundary twice, each time through one autograd Function:
+
+* :class:`_EnterLocal` takes every laid-out input (wrap, redistribute, ``to_local``)
+  in one node; its backward lays each input gradient out as the input's declared
+  ``in_grad_placements`` and moves it back, as ``to_local`` then ``enforce_layout``
+  then ``from_local`` would one by one;
+* :class:`_ExitLocal` wraps every plain output (``from_local`` as ``out_src``, then
+  ``redistribute`` to ``out_dst``) in one node, and its backward undoes both.
+
+Between them the block's own ops record an ordinary autograd graph, so tensors the
+block reads from elsewhere (a closure, another module) keep their gradients, and
+activation checkpointing and ``torch.compile`` see plain ops. A single Function around
+the whole call would need a re-entrant backward (``torch.autograd.grad`` inside
+``backward``), which drops those gradients and defeats both.
+
+The states' local shards are taken once per step: each DTensor parameter's ``to_local``
+view is kept and reused while the parameter object, its shard and the shard's version
+counter are unchanged (an optimizer's in-place update bumps the version, and a
+``swap_tensors`` or re-assignment changes the shard or the object).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import torch
 
-from hyper_parallel.dtensor import DTensor
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Replicate
 
 __all__ = ["local_states"]
+
+Placements: TypeAlias = tuple[Placement, ...]
 
 
 @contextmanager
@@ -31,16 +54,377 @@ def local_states(module: torch.nn.Module) -> Iterator[None]:
         with local_states(block):
             y = block.forward(x_local)   # block.weight is this rank's shard here
     """
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    swapped = dtensor_states(module)
     try:
-        for sub in module.modules():
-            state_dicts: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
-            for states in state_dicts:
-                for name, value in states.items():
-                    if isinstance(value, DTensor):
-                        swapped.append((states, name, value))
-                        states[name] = value.to_local()
+        for states, name, value in swapped:
+            states[name] = value.to_local()
         yield
     finally:
         for states, name, value in reversed(swapped):
             states[name] = value
+
+
+StateSlot: TypeAlias = tuple[dict[str, Any], str, DTensor]
+
+
+def dtensor_states(module: torch.nn.Module) -> list[StateSlot]:
+    """``(owner dict, name, DTensor)`` for every DTensor parameter and buffer of the subtree.
+
+    Example::
+
+        >>> dtensor_states(torch.nn.Linear(2, 2))   # plain states: none
+        []
+    """
+    found: list[StateSlot] = []
+    stack = [module]
+    while stack:
+        sub = stack.pop()
+        for states in (sub._parameters, sub._buffers):
+            for name, value in states.items():
+                if isinstance(value, DTensor):
+                    found.append((states, name, value))
+        if sub._modules:
+            stack += [child for child in sub._modules.values() if child is not None]
+    return found
+
+
+# -- the states' local views, once per step ------------------------------------------------
+
+
+@dataclass(slots=True)
+class _View:
+    """A DTensor state's ``to_local`` view and what it was taken from."""
+
+    state: DTensor
+    shard: torch.Tensor
+    version: int
+    requires_grad: bool
+    view: torch.Tensor
+
+
+# module -> id(state) -> view; weak on the module only (states refuse weak references
+# under ``torch.utils.swap_tensors``, which ``Module.to_empty`` uses)
+_views: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, _View]] = weakref.WeakKeyDictionary()
+
+
+def _local_views(
+    module: torch.nn.Module, slots: Sequence[StateSlot], shards: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The differentiable local view of each state, reused while it is still that state's."""
+    cache = _views.get(module)
+    if cache is None:
+        cache = _views[module] = {}
+    out: list[torch.Tensor] = []
+    for (_, _, state), shard in zip(slots, shards, strict=True):
+        entry = cache.get(id(state))
+        if (
+            entry is None
+            or entry.state is not state
+            or entry.shard is not shard
+            or entry.version != shard._version
+            or entry.requires_grad != state.requires_grad
+        ):
+            view = state.to_local()
+            entry = cache[id(state)] = _View(
+                state, shard, shard._version, state.requires_grad, view
+            )
+        out.append(entry.view)
+    if len(cache) > len(slots):  # states replaced since: drop the stale views
+        alive = {id(state) for _, _, state in slots}
+        for key in [key for key in cache if key not in alive]:
+            del cache[key]
+    return out
+
+
+def clear_local_views(module: torch.nn.Module | None = None) -> None:
+    """Forget the kept local views of ``module``'s states (of every module when ``None``).
+
+    Never needed for correctness (a view is re-taken when its state changes); frees the
+    views of a model that is done training.
+
+    Example::
+
+        >>> clear_local_views()
+    """
+    if module is None:
+        _views.clear()
+    else:
+        _views.pop(module, None)
+
+
+# -- gradient layouts (torch DTensor's rules) --------------------------------------------------
+
+
+def grad_target(forward: Placements, grad: Placements) -> Placements:
+    """Where a redistributed input's gradient goes: the input's layout, a non-Partial
+    gradient of a Partial input staying Replicate (torch DTensor's rule).
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Partial
+        >>> grad_target((Replicate(),), (Partial(),))
+        (Replicate(),)
+    """
+    return tuple(
+        [
+            Replicate() if fwd.is_partial() and not cur.is_partial() else fwd
+            for fwd, cur in zip(forward, grad, strict=True)
+        ]
+    )
+
+
+def partial_to_replicate(placements: Placements) -> Placements:
+    """The placements of a leaf's gradient: Partial made Replicate.
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Partial
+        >>> partial_to_replicate((Partial(),))
+        (Replicate(),)
+    """
+    return tuple([Replicate() if p.is_partial() else p for p in placements])
+
+
+# Wrapping a local tensor as a DTensor through the subclass protocol (``__tensor_flatten__``
+# / ``__tensor_unflatten__``) with the flattened context of a first ``from_local`` of that
+# layout: what ``from_local`` builds, without re-deriving the layout on every call.
+_WrapKey: TypeAlias = tuple[DeviceMesh, Placements, tuple[int, ...], torch.dtype, tuple[int, ...]]
+_wrap_contexts: dict[_WrapKey, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def wrap_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Placements,
+    global_shape: tuple[int, ...] | None = None,
+) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, shape=global_shape)``, no autograd node.
+
+    ``global_shape=None`` is from_local's even-shard global shape. The result is
+    contiguous over the global shape and does not require grad.
+
+    Example::
+
+        dt = wrap_local(torch.ones(2, 4), mesh, (Shard(0),))   # global (4, 4) on 2 ranks
+    """
+    local_shape = tuple(local.shape)
+    key = (mesh, placements, local_shape, local.dtype, global_shape or ())
+    found = _wrap_contexts.get(key)
+    if found is None:
+        probe = torch.empty(local_shape, dtype=local.dtype, device="meta")
+        with torch.no_grad():
+            if global_shape is None:
+                template = DTensor.from_local(probe, mesh, placements)
+            else:
+                template = DTensor.from_local(
+                    probe, mesh, placements, shape=global_shape, stride=_contiguous(global_shape)
+                )
+        _, context = template.__tensor_flatten__()
+        shape = tuple(template.shape)
+        found = _wrap_contexts[key] = (context, shape, _contiguous(shape))
+        if len(_wrap_contexts) > 4096:  # bounded, as the layout caches of hp-dtensor
+            _wrap_contexts.pop(next(iter(_wrap_contexts)))
+    context, shape, stride = found
+    return DTensor.__tensor_unflatten__({"_local_tensor": local}, context, shape, stride)
+
+
+# -- the two boundary Functions ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class InputStep:
+    """How one input tensor enters the block: wrap as ``layout`` (a plain tensor), move to
+    ``dst``; the gradient is laid out as ``grad`` and moved back."""
+
+    layout: Placements | None  # from_local layout of a plain input; None for a DTensor
+    dst: Placements | None
+    grad: Placements | None
+    # filled in forward, read in backward
+    before: Placements = ()
+    global_shape: tuple[int, ...] = ()
+    grad_layout: Placements = ()
+
+
+class _EnterLocal(torch.autograd.Function):
+    """Every laid-out input of one local_map call to its local tensor, in one node."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        mesh: DeviceMesh,
+        steps: list[InputStep],
+        shard_sink: list[torch.Tensor],
+        states: Sequence[DTensor],
+        *values: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.mesh, ctx.steps = mesh, steps
+        # grad mode is off here: to_local is the shard itself, with no node
+        shard_sink += [state.to_local() for state in states]
+        outs: list[torch.Tensor] = []
+        idle: list[torch.Tensor] = []
+        for step, value in zip(steps, values, strict=True):
+            if step.layout is not None:
+                dt = wrap_local(value, mesh, step.layout)
+                step.before = step.layout
+            else:
+                dt = value  # type: ignore[assignment]
+                step.before = dt.placements
+            here = step.before
+            if step.dst is not None and step.dst != here:
+                dt = dt.redistribute(mesh, step.dst)
+                here = step.dst
+            step.global_shape = tuple(dt.shape)
+            step.grad_layout = step.grad if step.grad is not None else here
+            local = dt.to_local()
+            out = local.view_as(local)
+            outs.append(out)
+            if not value.requires_grad:
+                idle.append(out)
+        if idle:
+            ctx.mark_non_differentiable(*idle)
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        mesh: DeviceMesh = ctx.mesh
+        out: list[torch.Tensor | None] = []
+        for step, grad in zip(ctx.steps, grads, strict=True):
+            if grad is None:
+                out.append(None)
+                continue
+            # to_local's backward: the local gradient in the declared gradient layout
+            dt = wrap_local(grad, mesh, step.grad_layout, step.global_shape)
+            here = step.grad_layout
+            if step.dst is not None:  # enforce_layout's backward, also when nothing moved
+                target = grad_target(step.before, here)
+                if target != here:
+                    dt, here = dt.redistribute(mesh, target), target
+            if step.layout is None:
+                out.append(dt)
+                continue
+            target = partial_to_replicate(step.layout)  # from_local's backward
+            if target != here:
+                dt = dt.redistribute(mesh, target)
+            out.append(dt.to_local())
+        return (None, None, None, None, *out)
+
+
+@dataclass(slots=True)
+class OutputStep:
+    """How one plain output leaves the block: wrapped as ``layout``, redistributed to ``dst``."""
+
+    layout: Placements
+    dst: Placements | None
+    global_shape: tuple[int, ...] = ()
+
+
+class _ExitLocal(torch.autograd.Function):
+    """Every plain output of one local_map call to its DTensor, in one node."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, mesh: DeviceMesh, steps: list[OutputStep], *values: torch.Tensor
+    ) -> tuple[DTensor, ...]:
+        ctx.mesh, ctx.steps = mesh, steps
+        outs: list[DTensor] = []
+        for step, value in zip(steps, values, strict=True):
+            dt = wrap_local(value.detach(), mesh, step.layout)
+            step.global_shape = tuple(dt.shape)
+            if step.dst is not None and step.dst != step.layout:
+                dt = dt.redistribute(mesh, step.dst)
+            outs.append(dt)
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        mesh: DeviceMesh = ctx.mesh
+        out: list[torch.Tensor | None] = []
+        for step, grad in zip(ctx.steps, grads, strict=True):
+            if grad is None:
+                out.append(None)
+                continue
+            if isinstance(grad, DTensor):
+                dt, here = grad, grad.placements
+            else:  # a plain gradient of the global shape is taken as replicated, as torch does
+                final = step.dst if step.dst is not None else step.layout
+                if tuple(grad.shape) == step.global_shape:
+                    final = (Replicate(),) * len(final)
+                dt, here = wrap_local(grad, mesh, final, step.global_shape), final
+            if step.dst is not None and step.dst != step.layout:  # redistribute's backward
+                target = grad_target(step.layout, here)
+                if target != here:
+                    dt, here = dt.redistribute(mesh, target), target
+            target = partial_to_replicate(step.layout)  # from_local's backward
+            if target != here:
+                dt = dt.redistribute(mesh, target)
+            out.append(dt.to_local())
+        return (None, None, *out)
+
+
+def enter_local(
+    module: torch.nn.Module,
+    mesh: DeviceMesh,
+    steps: list[InputStep],
+    values: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[StateSlot], list[torch.Tensor]]:
+    """The local inputs (one node for all), and the states' local views (kept per step).
+
+    Returns ``(local inputs, state slots, local views of the states)``.
+
+    Example::
+
+        locals_, slots, views = enter_local(block, mesh, steps, [x])
+    """
+    slots = dtensor_states(module)
+    states = [state for _, _, state in slots]
+    shards: list[torch.Tensor] = []
+    if values:
+        local_inputs = list(_EnterLocal.apply(mesh, steps, shards, states, *values))
+    else:
+        local_inputs = []
+        with torch.no_grad():
+            shards += [state.to_local() for state in states]
+    return local_inputs, slots, _local_views(module, slots, shards)
+
+
+def exit_local(
+    mesh: DeviceMesh, steps: list[OutputStep], values: Sequence[torch.Tensor]
+) -> tuple[DTensor, ...]:
+    """Wrap and move every plain output in one node.
+
+    Example::
+
+        (y,) = exit_local(mesh, [OutputStep((Partial(),), (Replicate(),))], [y_local])
+    """
+    return _ExitLocal.apply(mesh, steps, *values)  # type: ignore[no-any-return]
+
+
+def swap_in(slots: Sequence[StateSlot], views: Sequence[torch.Tensor]) -> None:
+    """Put ``views`` in the states' places (undo with :func:`swap_back`, in a ``finally``).
+
+    Example::
+
+        swap_in(slots, views)
+        try:
+            y = block.forward(x_local)
+        finally:
+            swap_back(slots)
+    """
+    for (states, name, _), view in zip(slots, views, strict=True):
+        states[name] = view
+
+
+def swap_back(slots: Sequence[StateSlot]) -> None:
+    """Put the DTensor states back (see :func:`swap_in`)."""
+    for states, name, value in slots:
+        states[name] = value

@@ -11,7 +11,6 @@ import torch
 
 from hyper_parallel.config import ConfigError, Configurable, enforce_module_config_slots
 from hyper_parallel.dmodule._forward import ForwardPlan
-from hyper_parallel.dmodule.local_map import local_states
 from hyper_parallel.dmodule.planner import ShardingError, plan_parallelize
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
@@ -482,13 +481,10 @@ def _parallel_class(cls: type) -> type:
         assert plan is not None
         if self._hp_states_on_meta:
             _refuse_meta_forward(self, args, kwargs)
-        args, kwargs = plan.prepare_inputs(args, kwargs)
         if plan.local_map:
-            with local_states(self):
-                outputs = base_forward(self, *args, **kwargs)
-        else:
-            outputs = base_forward(self, *args, **kwargs)
-        return plan.finish_outputs(outputs)
+            return plan.call_local(self, base_forward, args, kwargs)
+        args, kwargs = plan.prepare_inputs(args, kwargs)
+        return plan.finish_outputs(base_forward(self, *args, **kwargs))
 
     forward.__doc__ = base_forward.__doc__
     forward.__wrapped__ = base_forward  # type: ignore[attr-defined]

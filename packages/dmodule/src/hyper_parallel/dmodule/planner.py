@@ -384,4 +384,5 @@ class _Planner:
             out_dst=outputs["out_dst_shardings"],
             local_map=sc.local_map is not None,
             in_grad=resolved["local_map.in_grad_placements"],
+            compile=sc.local_map is not None and sc.local_map.compile,
         )

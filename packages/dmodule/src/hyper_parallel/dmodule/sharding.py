@@ -78,6 +78,7 @@ class LocalMapConfig(_DictData):
     """
 
     in_grad_placements: GradPlacements = ()
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.in_grad_placements, list):  # upstream's annotation is a tuple

@@ -15,6 +15,7 @@ import torch
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpoint_mode,
@@ -53,7 +54,8 @@ class Llama(BaseModel):
     row-parallel ``wo/w2`` (heads and hidden units sharded); replicated norms; a
     column-parallel output whose logits stay sharded by vocab into the loss-parallel
     :func:`~hyper_parallel.dmodule.layers.cross_entropy`. ``use_local_map`` runs
-    attention and feed-forward on local tensors; ``sequence_parallel`` keeps the
+    attention and feed-forward on local tensors (``compile_local_map`` compiles their
+    local math with ``torch.compile``); ``sequence_parallel`` keeps the
     residual stream split along the sequence between blocks.
 
     Example::
@@ -87,6 +89,7 @@ class Llama(BaseModel):
         rope_theta: float = 10000.0
         use_rope: bool = True
         use_local_map: bool = False
+        compile_local_map: bool = False  # torch.compile the local_map blocks' local math
         sequence_parallel: bool = False
         vocab_parallel: bool = True
 
@@ -112,6 +115,12 @@ class Llama(BaseModel):
                 "max_seq_len",
             )
             require_positive_float(self, "norm_eps", "rope_theta")
+            if self.compile_local_map and not self.use_local_map:
+                raise ConfigError(
+                    "expected use_local_map=true with compile_local_map (it compiles the "
+                    "local_map blocks), found use_local_map=false",
+                    path="compile_local_map",
+                )
             if self.dim % self.n_heads:
                 raise ConfigError(
                     f"expected dim to divide by n_heads ({self.n_heads}), found {self.dim}",
@@ -239,6 +248,8 @@ class Llama(BaseModel):
                     f"divide by the size of mesh axis 'tp' ({tp})"
                 )
         super().parallelize(mesh)
+        if self.config.compile_local_map:
+            compile_local_maps(self)
         return self
 
 
