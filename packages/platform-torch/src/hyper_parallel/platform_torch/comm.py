@@ -88,6 +88,9 @@ class PeerLostError(RuntimeError):
         self.rank, self.collective, self.group, self.ranks = rank, collective, group, ranks
         self.peers = [r for r in ranks if r != rank]
         cause = backend_error.strip().splitlines()[0] if backend_error.strip() else "?"
+        if cause.startswith("[") and "] " in cause:  # gloo's "[.../pair.cc:561] " source prefix
+            cause = cause.split("] ", 1)[1]
+        cause = cause.split(". This is typically", 1)[0]
         self.line = (
             f"rank {rank}: lost a peer in {collective} on {group} (group ranks {ranks}): one "
             f"of peer ranks {self.peers} went away ({cause[:200]})"
