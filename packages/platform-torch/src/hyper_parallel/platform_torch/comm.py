@@ -27,6 +27,8 @@ from hyper_parallel.platform_torch.devices import backend_for, set_current_devic
 
 __all__ = [
     "REDUCE_OPS",
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "PeerLostError",
     "ReduceOpName",
     "all_gather",
@@ -66,21 +68,15 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-class PeerLostError(RuntimeError):
-    """A collective failed because a process of its group went away (crashed, killed, node lost).
+class CollectiveError(RuntimeError):
+    """A collective failed on a peer's account; ``line`` says where, in one line.
 
-    The message's first line says it all: this rank, the collective, the group (for a
-    ``DeviceMesh`` group, its mesh axis), the group's global ranks and the peers among
-    which one is gone; the backend's own error is chained as the cause.
-    ``rank``, ``collective``, ``group``, ``ranks`` and ``peers`` hold the same.
-
-    Example::
-
-        try:
-            all_reduce(x, group, "sum")
-        except PeerLostError as error:
-            print(error.line)  # rank 0: lost a peer in all_reduce on mesh axis 'dp' ...
+    ``rank``, ``collective``, ``group`` (its description: for a ``DeviceMesh`` group, the
+    mesh axis), ``ranks`` (the group's global ranks) and ``peers`` (the others); the
+    backend's own error is chained as the cause.
     """
+
+    _what = "failed"
 
     def __init__(
         self, rank: int, collective: str, group: str, ranks: list[int], backend_error: str
@@ -91,11 +87,51 @@ class PeerLostError(RuntimeError):
         if cause.startswith("[") and "] " in cause:  # gloo's "[.../pair.cc:561] " source prefix
             cause = cause.split("] ", 1)[1]
         cause = cause.split(". This is typically", 1)[0]
-        self.line = (
-            f"rank {rank}: lost a peer in {collective} on {group} (group ranks {ranks}): one "
-            f"of peer ranks {self.peers} went away ({cause[:200]})"
-        )
+        self.line = self._line(cause[:200])
         super().__init__(self.line)
+
+    def _line(self, cause: str) -> str:
+        return (
+            f"rank {self.rank}: {self.collective} on {self.group} (group ranks {self.ranks}) "
+            f"{self._what} ({cause})"
+        )
+
+
+class PeerLostError(CollectiveError):
+    """A collective failed because a process of its group went away (crashed, killed, node lost).
+
+    Example::
+
+        try:
+            all_reduce(x, group, "sum")
+        except PeerLostError as error:
+            print(error.line)  # rank 0: lost a peer in all_reduce on mesh axis 'dp' ...
+    """
+
+    def _line(self, cause: str) -> str:
+        return (
+            f"rank {self.rank}: lost a peer in {self.collective} on {self.group} (group ranks "
+            f"{self.ranks}): one of peer ranks {self.peers} went away ({cause})"
+        )
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective ran past its group's timeout: a peer never arrived (stalled elsewhere).
+
+    Example::
+
+        try:
+            all_reduce(x, group, "sum")
+        except CollectiveTimeoutError as error:
+            print(error.line)  # rank 0: all_reduce on mesh axis 'tp' ... timed out ...
+    """
+
+    def _line(self, cause: str) -> str:
+        return (
+            f"rank {self.rank}: {self.collective} on {self.group} (group ranks {self.ranks}) "
+            f"timed out: one of peer ranks {self.peers} did not arrive within the group's "
+            f"timeout ({cause})"
+        )
 
 
 def _describe_group(group: ProcessGroup | None) -> tuple[str, list[int]]:
@@ -109,7 +145,7 @@ def _describe_group(group: ProcessGroup | None) -> tuple[str, list[int]]:
 
 
 def _reports_lost_peers(fn: Callable[_P, _T]) -> Callable[_P, _T]:
-    """Turn a backend's "connection reset/closed by peer" in ``fn`` into a :class:`PeerLostError`."""
+    """A backend's "connection reset/closed by peer" or timeout in ``fn`` as a :class:`CollectiveError`."""
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -118,14 +154,20 @@ def _reports_lost_peers(fn: Callable[_P, _T]) -> Callable[_P, _T]:
             return fn(*args, **kwargs)
         except RuntimeError as error:
             text = str(error)
-            if isinstance(error, PeerLostError) or not any(
-                phrase in text.lower() for phrase in _LOST_PEER_PHRASES
-            ):
+            lowered = text.lower()
+            kind: type[CollectiveError]
+            if isinstance(error, CollectiveError):
+                raise
+            if any(phrase in lowered for phrase in _LOST_PEER_PHRASES):
+                kind = PeerLostError
+            elif "timed out" in lowered or "timeout" in lowered:
+                kind = CollectiveTimeoutError
+            else:
                 raise
             bound = inspect.signature(fn).bind(*args, **kwargs).arguments
             group = cast("ProcessGroup | None", bound.get("group"))
             described, ranks = _describe_group(group)
-            raise PeerLostError(dist.get_rank(), name, described, ranks, text) from error
+            raise kind(dist.get_rank(), name, described, ranks, text) from error
 
     return collective
 

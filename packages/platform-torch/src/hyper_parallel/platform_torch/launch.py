@@ -327,8 +327,11 @@ def _stop(processes: list[BaseProcess], keep_alive: list[Connection]) -> None:
             process.join()
 
 
-def lost_peer(error: BaseException) -> comm.PeerLostError | None:
-    """The :class:`~hyper_parallel.platform_torch.comm.PeerLostError` behind ``error``, if any.
+def lost_peer(error: BaseException) -> comm.CollectiveError | None:
+    """The :class:`~hyper_parallel.platform_torch.comm.CollectiveError` behind ``error``, if any.
+
+    A lost peer (:class:`~hyper_parallel.platform_torch.comm.PeerLostError`) or a collective
+    past its timeout; its ``line`` names the collective, the group (mesh axis) and the peers.
 
     Example::
 
@@ -338,7 +341,7 @@ def lost_peer(error: BaseException) -> comm.PeerLostError | None:
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, comm.PeerLostError):
+        if isinstance(current, comm.CollectiveError):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
