@@ -100,7 +100,7 @@ def watch_fresh_states(root: torch.nn.Module, before: list[StateSlot], *, everyt
             continue
         if new is not old and isinstance(old, torch.nn.Parameter) and name in owner._parameters:
             mark_replaced(old, f"{where}.{fqn} (replaced by to_empty()/to())")
-        if not new.is_meta and (everything or old.is_meta):
+        if not new.is_meta and new.numel() > 0 and (everything or old.is_meta):
             _record_unset(owner, new)
             armed_root = True
         elif new.is_meta:
