@@ -119,7 +119,8 @@ def test_a_meta_model_must_be_materialised_before_init_or_forward() -> None:
     assert result["init"].startswith("Llama.init_states: ")
     assert "are on the meta device ('tok_embeddings.weight'" in result["init"]
     assert "call model.to_empty(device=...) first" in result["init"]
-    assert result["forward"].startswith("Embedding.forward: its states ['weight'] are on the meta")
+    assert result["forward"].startswith("Llama.forward: its states ['tok_embeddings.weight', ")
+    assert "are on the meta device (no memory), but an input is on cpu" in result["forward"]
     assert "call model.to_empty(device=...) and model.init_states()" in result["forward"]
     assert result["after_to_empty"] == "(2, 8, 256)"
 

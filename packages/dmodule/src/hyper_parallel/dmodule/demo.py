@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -696,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main_torchrun(options: Options, world: int, start: float) -> int:
     """Under torchrun: this process is one rank; rank 0 also runs the reference and reports."""
-    from hyper_parallel.platform_torch.launch import PROCESS_GROUP_MARGIN_S
+    from hyper_parallel.platform_torch.launch import PROCESS_GROUP_MARGIN_S, lost_peer
     from hyper_parallel.platform_torch.stalls import stall_watchdog
 
     platform = get_platform()
@@ -713,8 +714,18 @@ def _main_torchrun(options: Options, world: int, start: float) -> int:
     # this rank so that torchrun stops the others: before any collective's own timeout.
     platform.init_process_group(options.device, timeout_s=_TIMEOUT[0] + PROCESS_GROUP_MARGIN_S)
     try:
-        with stall_watchdog(_TIMEOUT[0]):
-            result = train_rank(options)
+        try:
+            with stall_watchdog(_TIMEOUT[0]):
+                result = train_rank(options)
+        except Exception as error:
+            lost = lost_peer(error)
+            if lost is None:
+                raise
+            # one line per rank saying what went away (another node, under torchrun), then
+            # the traceback; exit 1 so that this node's agent stops its other workers
+            print(f"demo FAILED: {lost.line}", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            return 1
         status = 0
         if result is not None:
             reference = train_reference(options)

@@ -11,6 +11,15 @@ import torch
 
 from hyper_parallel.config import ConfigError, Configurable, enforce_module_config_slots
 from hyper_parallel.dmodule._forward import ForwardPlan
+from hyper_parallel.dmodule._state_checks import (
+    REPLACED,
+    UNSET,
+    arm_state_check,
+    mark_replaced,
+    meta_forward_message,
+    snapshot_states,
+    watch_fresh_states,
+)
 from hyper_parallel.dmodule.planner import ShardingError, plan_parallelize
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
@@ -132,6 +141,9 @@ class Module(_PlatformModule, Configurable):
                 unknown = instance._unknown_initializers()
                 if unknown:
                     raise ConfigError(unknown[0][1], path=f"param_init.{unknown[0][0]}")
+                if _states_on_meta(instance):
+                    # built on meta: a forward on real inputs is refused until to_empty()
+                    arm_state_check(instance)
             return instance
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -302,12 +314,18 @@ class Module(_PlatformModule, Configurable):
                 if state.is_parameter:
                     new = _as_parameter(new, state.tensor)
                 replaced[id(state.tensor)] = new
-        for sub in self.modules():
+        root = type(self).__name__
+        for prefix, sub in self.named_modules():
             state_dicts: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
             for states in state_dicts:
                 for name, value in states.items():
                     if value is not None and id(value) in replaced:
                         states[name] = replaced[id(value)]
+                        if states is sub._parameters:
+                            # an optimizer built before parallelize holds the old object:
+                            # its step() is refused instead of silently changing nothing
+                            fqn = f"{prefix}.{name}" if prefix else name
+                            mark_replaced(value, f"{root}.{fqn} (replaced by parallelize())")
         for plan in plans:
             module = cast("Module", plan.module)
             if plan.forward is not None:
@@ -322,10 +340,34 @@ class Module(_PlatformModule, Configurable):
         # (torch.utils.swap_tensors), which drops the Parameter's Python attributes and fails
         # outright on a tensor that has a weak reference; DTensor states are re-registered,
         # once per tensor object so that tied parameters stay tied.
+        before = snapshot_states(self, recurse=recurse)
         _apply_tree(self, fn, {}, recurse=recurse)
         for sub in self.modules() if recurse else (self,):
             if isinstance(sub, Module) and sub._parallelized:
                 sub._hp_states_on_meta = bool(_states_on_meta(sub, recurse=False))
+        watch_fresh_states(self, before, everything=self._hp_emptying)
+        return self
+
+    _hp_emptying: bool = False
+
+    def to_empty(self: _M, *, device: torch.device | str | int | None, recurse: bool = True) -> _M:
+        """torch's ``to_empty``; a forward before the states are filled is then refused.
+
+        The states get memory without values. Until :meth:`init_states` (or a load, or
+        any in-place write) fills a state, a forward raises naming it -- one check at the
+        first forward, none after.
+
+        Example::
+
+            >>> with torch.device("meta"):
+            ...     layer = Linear.Config().build()  # doctest: +SKIP
+            >>> layer.to_empty(device="cpu").init_states()  # doctest: +SKIP
+        """
+        self._hp_emptying = True
+        try:
+            torch.nn.Module.to_empty(self, device=device, recurse=recurse)
+        finally:
+            del self._hp_emptying
         return self
 
     @classmethod
@@ -378,7 +420,7 @@ def _as_parameter(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` as a Parameter carrying ``old``'s ``requires_grad`` and Python attributes."""
     param = platform.Parameter(new, requires_grad=old.requires_grad)
     for key, value in old.__dict__.items():
-        if key not in ("_is_param", "_hp_grad_hook"):
+        if key not in ("_is_param", "_hp_grad_hook", REPLACED, UNSET):
             param.__dict__[key] = value
     return param
 
@@ -534,11 +576,7 @@ def _refuse_meta_forward(module: Module, args: tuple[Any, ...], kwargs: dict[str
     real = [x for x in inputs if isinstance(x, torch.Tensor) and not x.is_meta]
     if real:
         names = _states_on_meta(module, recurse=False)
-        raise RuntimeError(
-            f"{type(module).__name__}.forward: its states {names} are on the meta device (no "
-            f"memory), but an input is on {real[0].device}; call model.to_empty(device=...) and "
-            f"model.init_states() before running it"
-        )
+        raise RuntimeError(meta_forward_message(type(module).__name__, names, real[0].device))
 
 
 def _inherited_config(cls: type) -> type:

@@ -152,8 +152,10 @@ class DeviceMesh:
         groups: dict[int, ProcessGroup] = {}
         for axis in range(self.ndim):
             slices = self.mesh.movedim(axis, -1).reshape(-1, self.mesh.shape[axis])
+            name = repr(self.mesh_dim_names[axis]) if self.mesh_dim_names else str(axis)
             for slice_ranks in slices.tolist():
-                group = platform.new_group(slice_ranks)
+                # named in errors, e.g. a lost peer's: "mesh axis 'dp' of DeviceMesh(...)"
+                group = platform.new_group(slice_ranks, description=f"mesh axis {name} of {self}")
                 if self._rank in slice_ranks:
                     groups[axis] = group
         return groups

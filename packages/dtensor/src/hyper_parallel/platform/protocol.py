@@ -77,12 +77,12 @@ class Platform(Protocol):
         """Number of processes in the default group."""
         ...
 
-    def new_group(self, ranks: Sequence[int]) -> ProcessGroup:
+    def new_group(self, ranks: Sequence[int], *, description: str | None = None) -> ProcessGroup:
         """A process group over global ``ranks``; group-rank ``i`` is ``ranks[i]``.
 
         Collective: every rank of the world calls it, in the same order, with the
         same ``ranks``. On ranks not in ``ranks`` the result is a placeholder that
-        must not be used.
+        must not be used. ``description`` names the group in errors (a mesh axis).
         """
         ...
 

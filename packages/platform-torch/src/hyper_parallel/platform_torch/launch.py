@@ -37,7 +37,14 @@ from hyper_parallel.platform_torch.stalls import (
     stack_file,
 )
 
-__all__ = ["PROCESS_GROUP_MARGIN_S", "DistributedRunError", "StartMethod", "run_distributed"]
+__all__ = [
+    "INIT_BARRIER_VAR",
+    "PROCESS_GROUP_MARGIN_S",
+    "DistributedRunError",
+    "StartMethod",
+    "lost_peer",
+    "run_distributed",
+]
 
 R = TypeVar("R")
 StartMethod = Literal["forkserver", "spawn"]
@@ -52,12 +59,17 @@ DEFAULT_START_METHOD: StartMethod = "forkserver"
 _PRELOAD = ["torch", "torch.distributed", "torch._meta_registrations", __name__]
 # After the first failure, how long to let the other ranks report before killing them.
 _FAILURE_GRACE_S = 2.0
+# ... when that failure is a rank that died without a report (killed, crashed, out of memory):
+# its peers' reports say which collective it broke (PeerLostError), so they get longer.
+_DEATH_GRACE_S = 10.0
 _EXIT_PARENT_GONE = 70
 # The process group's timeout is the run's plus this, so that on a stall the launcher (which
 # names the ranks that did not arrive) reports before a waiting rank's collective times out.
 PROCESS_GROUP_MARGIN_S = 60.0
 # How long the ranks get to write their stacks after SIGUSR1.
 _STACK_GRACE_S = 3.0
+#: torch.distributed's switch for a store-based barrier after each process group's creation.
+INIT_BARRIER_VAR = "TORCH_DIST_INIT_BARRIER"
 
 
 class DistributedRunError(RuntimeError):
@@ -148,7 +160,12 @@ def run_distributed(
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
     )
-    base_env = {**os.environ, **(env or {})}
+    # torch's barrier after each process group's creation (off by default since torch 2.1):
+    # without it a rank whose fn needs no collective can finish and close its sockets while a
+    # slower peer is still inside gloo's connectFullMesh, which then fails with "Connection
+    # closed by peer" (seen under load); with it no rank leaves init_process_group or
+    # new_group before every member has connected. Set to "0" in env to opt out.
+    base_env = {INIT_BARRIER_VAR: "1", **os.environ, **(env or {})}
     base_env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store.port),
@@ -238,12 +255,13 @@ def _collect(
                 results[rank] = value
             else:
                 failures[rank] = value
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                grace = _DEATH_GRACE_S if status == "died" else _FAILURE_GRACE_S
+                deadline = min(deadline, time.monotonic() + grace)
     return results, failures, sorted(pending), timed_out
 
 
 def _read_report(process: BaseProcess, reader: Connection) -> tuple[str, Any] | None:
-    """A rank's ``("ok", result)`` / ``("error", text)``, or None while it is still running."""
+    """A rank's ``("ok", result)`` / ``("error", text)`` / ``("died", text)``, or None while it runs."""
     if reader.poll(0):
         try:
             status, value = pickle.loads(reader.recv_bytes())
@@ -255,7 +273,7 @@ def _read_report(process: BaseProcess, reader: Connection) -> tuple[str, Any] | 
             return status, value
     if process.is_alive():
         return None
-    return "error", f"process exited with {_describe_exit(process.exitcode)} without a result"
+    return "died", f"process exited with {_describe_exit(process.exitcode)} without a result"
 
 
 def _collect_stacks(
@@ -307,6 +325,27 @@ def _stop(processes: list[BaseProcess], keep_alive: list[Connection]) -> None:
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def lost_peer(error: BaseException) -> comm.CollectiveError | None:
+    """The :class:`~hyper_parallel.platform_torch.comm.CollectiveError` behind ``error``, if any.
+
+    A lost peer (:class:`~hyper_parallel.platform_torch.comm.PeerLostError`) or a collective
+    past its timeout; its ``line`` names the collective, the group (mesh axis) and the peers.
+
+    Example::
+
+        >>> lost_peer(RuntimeError("unrelated")) is None
+        True
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, comm.CollectiveError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _describe(fn: object) -> str:
@@ -392,8 +431,11 @@ def _run_rank(
             raise TypeError(
                 f"the result of {_describe(fn)} ({type(result).__name__}) is not picklable"
             ) from error
-    except BaseException:
-        report = pickle.dumps(("error", traceback.format_exc()))
+    except BaseException as error:
+        text = traceback.format_exc()
+        lost = lost_peer(error)
+        # a lost peer's one line (collective, mesh axis, peer ranks) above the traceback
+        report = pickle.dumps(("error", f"{lost.line}\n{text}" if lost is not None else text))
     writer.send_bytes(report)
     writer.close()
     if comm.is_initialized():

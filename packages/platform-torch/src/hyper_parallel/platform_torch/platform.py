@@ -63,9 +63,9 @@ class TorchPlatform:
         """Number of processes in the default group."""
         return comm.get_world_size()
 
-    def new_group(self, ranks: Sequence[int]) -> ProcessGroup:
+    def new_group(self, ranks: Sequence[int], *, description: str | None = None) -> ProcessGroup:
         """A process group whose group-rank ``i`` is ``ranks[i]`` (collective call)."""
-        return comm.new_group(ranks)
+        return comm.new_group(ranks, description=description)
 
     # -- collectives -----------------------------------------------------------
     def all_gather(

@@ -7,7 +7,7 @@ tensors are hp DTensors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -120,6 +120,30 @@ def _to_dtensor_input(
     return x
 
 
+def _check_rowwise_plain_input(module: nn.Module, x: Any, mesh: DeviceMesh) -> None:
+    """Refuse a plain input to a row-parallel linear that is not this rank's ``Shard(-1)`` shard.
+
+    The declared layout makes a plain tensor this rank's slice of the input features;
+    the full input would otherwise fail deep inside the matmul (or a fallback).
+    """
+    if not (isinstance(module, nn.Linear) and isinstance(x, torch.Tensor)) or x.ndim == 0:
+        return
+    features, ranks = module.in_features, mesh.size()
+    chunk = -(-features // ranks)  # torch.chunk's sizes
+    expected = max(0, min(chunk, features - mesh.get_local_rank() * chunk))
+    if x.shape[-1] == expected:
+        return
+    axis = f"mesh axis {mesh.mesh_dim_names[0]!r}" if mesh.mesh_dim_names else "the mesh"
+    full = " (the full input)" if x.shape[-1] == features else ""
+    raise RuntimeError(
+        f"RowwiseParallel {module}: got a plain input of shape {tuple(x.shape)}{full}, but the "
+        f"declared input layout is Shard(-1) on {axis} ({ranks} ranks), so a plain tensor is "
+        f"taken as this rank's shard of the {features} input features: expected last dim "
+        f"{expected}; pass this rank's shard (x.chunk({ranks}, dim=-1)[rank]), a DTensor, or "
+        f"declare RowwiseParallel(input_layouts=Replicate()) to pass the full input"
+    )
+
+
 def _from_dtensor_output(output: Any, output_layouts: Layouts, use_local_output: bool) -> Any:
     if not isinstance(output, DTensor):  # a local-shard linear returned its local output
         return output
@@ -159,6 +183,7 @@ class _LinearStyle(ParallelStyle):
         placements: dict[str, Placement],
         kind: str,
         keep_plain_input: bool,
+        check_plain_input: Callable[[nn.Module, Any, DeviceMesh], None] | None = None,
     ) -> nn.Module:
         """Shard the parameters as ``placements``; lay inputs and outputs out as declared."""
         src = self.src_data_rank
@@ -169,13 +194,16 @@ class _LinearStyle(ParallelStyle):
             if mod is module:
                 _shard_parameters(mod, mesh, placements, src)
 
+        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
+            if check_plain_input is not None and inputs and not isinstance(inputs[0], DTensor):
+                check_plain_input(mod, inputs[0], mesh)
+            return _to_dtensor_input(inputs, mesh, layouts, desired, keep_plain_input)
+
         distribute_module(
             module,
             device_mesh,
             partition,
-            lambda mod, inputs, mesh: _to_dtensor_input(
-                inputs, mesh, layouts, desired, keep_plain_input
-            ),
+            prepare_input,
             lambda mod, output, mesh: _from_dtensor_output(output, outputs, use_local),
         )
         use_local_linear(module, kind, outputs, use_local)
@@ -243,7 +271,9 @@ class RowwiseParallel(_LinearStyle):
             placements = {"weight": Shard(1), "bias": Replicate()}
             self.desired_input_layouts = (Shard(-1),)
         keep_plain = local_linear_applies(module, "rowwise", self.output_layouts)
-        return self._distribute(module, device_mesh, placements, "rowwise", keep_plain)
+        # a plain tensor is taken as input_layouts: check it fits when that is this rank's shard
+        check = _check_rowwise_plain_input if self.input_layouts == (Shard(-1),) else None
+        return self._distribute(module, device_mesh, placements, "rowwise", keep_plain, check)
 
 
 class SequenceParallel(ParallelStyle):
