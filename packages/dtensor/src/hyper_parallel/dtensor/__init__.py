@@ -20,6 +20,7 @@ from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
+from hyper_parallel.dtensor._ops.random import RandomSeedWarning, manual_seed
 from hyper_parallel.dtensor._planning import (
     FallbackWarning,
     clear_plan_cache,
@@ -43,6 +44,7 @@ __all__ = [
     "FallbackWarning",
     "Partial",
     "Placement",
+    "RandomSeedWarning",
     "Replicate",
     "Shard",
     "clear_plan_cache",
@@ -55,6 +57,7 @@ __all__ = [
     "full",
     "implicit_replication",
     "init_device_mesh",
+    "manual_seed",
     "normalize_placements",
     "ones",
     "plan_cache_size",

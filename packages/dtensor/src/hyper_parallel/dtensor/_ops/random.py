@@ -25,8 +25,20 @@ one piece, or its global strides are not contiguous, the full tensor is drawn at
 once and sliced (exact by construction).
 
 Exact: bitwise equal values and generator state, for any mesh, any Shard /
-Replicate placements (uneven and nested shards included); Partial axes are
-overwritten, so the result is Replicate there.
+Replicate placements (uneven and nested shards included). So replicas agree and
+shards differ, as with torch's offset-based RNG tracker. An in-place fill of a
+Partial DTensor raises, as in torch (it would change the target's placement);
+``rand_like`` of a Partial gives a Replicate DTensor.
+
+Seeds: the values are those of one device only if every rank's default generator
+holds the same state. As torch's DTensor does at its first random op, the first
+random op on each mesh (and device type) takes the generator state of the mesh's
+first rank: one broadcast of the state per mesh axis, once per mesh, warning on
+the ranks whose state differed (per-rank seeds). Unlike torch, which broadcasts
+over the whole world once, the sync stays inside the op's mesh, so pipeline
+stages on separate meshes keep their own seeds. :func:`manual_seed` (torch's
+``manual_seed(seed, device_mesh)``) seeds this rank and turns the sync off: the
+caller vouches for the seeds. A user-passed ``generator=`` is never synced (as torch).
 Memory per rank: the local shard, plus one piece of ``C`` elements (default
 ``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
 float32) when the shard is one contiguous run of the flat tensor (Shard(0),
@@ -49,6 +61,7 @@ exact too (it fills the gathered full tensor).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -58,6 +71,8 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._dispatch import dispatch_by_rules
 from hyper_parallel.dtensor._registry import register_special
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
@@ -67,9 +82,10 @@ from hyper_parallel.dtensor._spec import (
     partial_to_replicate,
 )
 from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.platform import get_platform
 
-__all__ = ["generation_chunk"]
+__all__ = ["RandomSeedWarning", "generation_chunk", "manual_seed"]
 
 aten = torch.ops.aten
 
@@ -95,6 +111,91 @@ def generation_chunk(elements: int) -> Iterator[None]:
         yield
     finally:
         _chunk_elements.reset(token)
+
+
+class RandomSeedWarning(UserWarning):
+    """This rank's generator differed from the mesh's first rank's: a DTensor random op took that one."""
+
+
+class _SeedSync:
+    """Which (mesh, device type) pairs have had their generator state synced, or whether none needs it."""
+
+    def __init__(self) -> None:
+        self.synced: set[tuple[DeviceMesh, str]] = set()
+        self.trusted = False
+
+
+_seed_sync = _SeedSync()
+
+
+def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
+    """Seed this rank's default generator; DTensor random ops then trust it (no state sync).
+
+    torch's ``torch.distributed.tensor._random.manual_seed``: the caller vouches that
+    the ranks that should draw alike got the same ``seed`` (e.g. one seed per pipeline
+    stage). Raises ``RuntimeError`` on a rank outside ``device_mesh``, as torch.
+
+    Example::
+
+        manual_seed(1234, mesh)
+        w.normal_()   # each rank's slice of the one-device draw after torch.manual_seed(1234)
+    """
+    if device_mesh.get_coordinate() is None:
+        raise RuntimeError(
+            "manual_seed requires the current rank to be a part of the device mesh "
+            f"{device_mesh}; rank {get_platform().get_rank()} is not in it"
+        )
+    _seed_sync.trusted = True
+    torch.manual_seed(seed)
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    module: Any = torch.get_device_module(device.type)
+    return module.get_rng_state(device)  # type: ignore[no-any-return]
+
+
+def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        module: Any = torch.get_device_module(device.type)
+        module.set_rng_state(state, device)
+
+
+def sync_generator(mesh: DeviceMesh, device: torch.device) -> None:
+    """Give every rank of ``mesh`` the default generator state of its first rank (once per mesh).
+
+    Example::
+
+        sync_generator(w.device_mesh, w.to_local().device)   # before drawing w's values
+    """
+    key = (mesh, device.type)
+    if _seed_sync.trusted or key in _seed_sync.synced or device.type == "meta":
+        return
+    _seed_sync.synced.add(key)
+    if mesh.get_coordinate() is None:
+        return
+    mine = _generator_state(device)
+    wire = get_platform().device_for(mesh.device_type)
+    state = mine.to(wire)
+    for axis in range(mesh.ndim):
+        if mesh.size(axis) > 1:
+            state = collectives.broadcast(state, mesh, axis, 0)
+    state = state.cpu()
+    if not torch.equal(state, mine):
+        _set_generator_state(device, state)
+        first = int(mesh.mesh.reshape(-1)[0].item())
+        warnings.warn(
+            f"hyper_parallel.dtensor: rank {mesh.get_rank()}'s default {device.type} generator "
+            f"differed from rank {first}'s; DTensor random ops on {mesh} now draw from rank "
+            f"{first}'s state, so replicas agree (as torch's DTensor does). Seed every rank "
+            "with the same torch.manual_seed(...), or call hyper_parallel.dtensor.manual_seed"
+            "(seed, mesh) to keep per-rank seeds on purpose",
+            RandomSeedWarning,
+            stacklevel=6,
+        )
 
 
 Fill = Callable[[torch.Tensor], object]
@@ -260,6 +361,8 @@ def fill_shard(
     box = _shard_box(spec)
     if box is None or local.device.type == "meta":
         return
+    if kwargs.get("generator") is None:
+        sync_generator(spec.mesh, local.device)
     meta = spec.tensor_meta
     n = math.prod(meta.shape)
     chunk = _chunk_elements.get()
@@ -332,9 +435,14 @@ def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
         raise TypeError(f"{func}: expected number arguments after the DTensor, found a tensor")
     spec: DTensorSpec = self._spec
-    placements = partial_to_replicate(spec.placements)  # a fill overwrites Partial values
-    if placements != spec.placements:
-        self._spec = spec.with_placements(placements)
+    if partial_to_replicate(spec.placements) != spec.placements:
+        # torch's message: a fill would turn the Partial target into a Replicate one
+        raise RuntimeError(
+            f"{func}: in-place operations that require placement changes are not supported. "
+            f"The input has placements {spec.placements}; a random fill would make them "
+            "Replicate. Redistribute the DTensor (e.g. .redistribute(placements=[Replicate()])) "
+            "or fill a new one"
+        )
     fill_shard(self._local_tensor, self._spec, func, rest, kwargs)
     return self  # type: ignore[no-any-return]
 
@@ -370,3 +478,35 @@ def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTen
 
 register_special(*_IN_PLACE_FILLS)(_in_place_fill)
 register_special(*_LIKE)(_like_fill)
+
+
+# Random ops drawn by sharding rules or the fallback (which draws the full tensor on
+# every rank): their generator state is synced first, like the fills above.
+_SEEDED_BY_RULES = (
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.bernoulli.Tensor,
+    aten.bernoulli_.Tensor,
+    aten.native_dropout.default,
+    aten.multinomial.default,
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.normal.Tensor_Tensor,
+    aten.poisson.default,
+    aten._standard_gamma.default,
+    aten.rrelu_with_noise.default,
+)
+
+
+def _seeded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A random op run by its rule or the fallback, after syncing the generator of its mesh."""
+    first = next(
+        (a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)),
+        None,
+    )
+    if first is not None and kwargs.get("generator") is None:
+        sync_generator(first._spec.mesh, first._local_tensor.device)
+    return dispatch_by_rules(DTensor, func, args, kwargs)
+
+
+register_special(*_SEEDED_BY_RULES)(_seeded)
