@@ -169,7 +169,7 @@ class DTensor(torch.Tensor):
         """Wrap this rank's shard as a DTensor; differentiable.
 
         Without ``shape``, shards are assumed even (global size = local size x axis
-        size). Pass ``shape`` (and ``stride``) for uneven shards. ``run_check=True``
+        size). Pass ``shape`` and ``stride`` (both, as torch) for uneven shards. ``run_check=True``
         checks every rank's shard against the others (dtype, requires_grad, placements,
         the dims no axis shards, ``torch.chunk`` shard sizes; the same error on every
         rank), infers an uneven global shape, and broadcasts Replicate values from the
@@ -197,9 +197,12 @@ class DTensor(torch.Tensor):
                 device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
             )
             return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
-        if stride is not None and shape is None:
+        if (stride is None) != (shape is None):
+            # torch's check and words: a shape alone does not say the global strides
             raise PlacementError(
-                f"DTensor.from_local: stride {tuple(stride)} given without shape; pass both"
+                f"DTensor.from_local: found shape {None if shape is None else tuple(shape)}, "
+                f"stride {None if stride is None else tuple(stride)}. Please pass both shape "
+                "and stride at the same time."
             )
         if shape is not None:
             global_shape = tuple(int(s) for s in shape)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_parallel.dtensor._spec import contiguous_strides as _strides
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -40,7 +41,9 @@ def _colwise(module: nn.Linear, x: Any, return_local: bool) -> Any:
     if return_local:  # the style's output hook would only unwrap it again
         return local
     shape = (*x.shape[:-1], module.out_features)
-    return DTensor.from_local(local, x.device_mesh, (Shard(local.ndim - 1),), shape=shape)
+    return DTensor.from_local(
+        local, x.device_mesh, (Shard(local.ndim - 1),), shape=shape, stride=_strides(shape)
+    )
 
 
 def _rowwise(module: nn.Linear, x: Any) -> Any:
@@ -55,7 +58,7 @@ def _rowwise(module: nn.Linear, x: Any) -> Any:
     mesh = weight.device_mesh
     local = F.linear(x, weight.to_local())
     shape = (*x.shape[:-1], module.out_features)
-    y = DTensor.from_local(local, mesh, _P, shape=shape)
+    y = DTensor.from_local(local, mesh, _P, shape=shape, stride=_strides(shape))
     if module.bias is None:
         return y
     # The bias joins the reduced sum (every rank computes its replicated gradient).
