@@ -56,14 +56,24 @@ CASES = [
         ("P", "R", "R"),
     ),
     Case("partial -> partial is a no-op", _same_partial, (_X,), ("P",)),
+    # fewer collectives in torch (item 6 of the port)
+    Case("dist(p=1) of row shards", lambda a, b: torch.dist(a, b, p=1), (_X, _Y), ("S0", "S0")),
+    Case(
+        "gather with input and index sharded",
+        lambda x, i: torch.gather(x, 1, i),
+        (_X, torch.tensor([[0, 1], [2, 3], [4, 5], [1, 0]])),
+        ("S0", "S0"),
+    ),
 ]
 
 
 def _raised(fn: Any) -> str:
     try:
         fn()
-    except Exception as exc:  # the type and words are the result
-        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # the kind and words are the result
+        kinds = (NotImplementedError, RuntimeError, ValueError, TypeError)
+        kind = next((k.__name__ for k in kinds if isinstance(exc, k)), type(exc).__name__)
+        return f"{kind}: {exc}"
     return "ran"
 
 

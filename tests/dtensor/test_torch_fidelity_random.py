@@ -147,6 +147,27 @@ def _rand_1d_and_manual_seed() -> dict[str, Any]:
     return out
 
 
+def _multinomial(side: Side) -> dict[str, Any]:
+    """torch's ``test_multinomial_sharded`` (both kinds of sampling): rows stay sharded."""
+    probs = torch.rand(8, 4, generator=torch.Generator().manual_seed(3))
+    probs = probs / probs.sum(-1, keepdim=True)
+    out: dict[str, Any] = {}
+    for kinds in (("S0", "R"), ("S1", "R"), ("R", "S0")):
+        for replacement in (True, False):
+            dt = side.distribute(probs, _placements(side, kinds))
+            torch.manual_seed(11)
+            with side.comm() as comm:
+                got: Any = torch.multinomial(dt, 2, replacement=replacement)
+            torch.manual_seed(11)
+            want = torch.multinomial(probs, 2, replacement=replacement)
+            out[f"{kinds} {replacement}"] = {
+                "layout": layout(got),
+                "comm": comm,
+                "exact": torch.equal(got.full_tensor(), want),
+            }
+    return out
+
+
 def _meta_init() -> dict[str, Any]:
     """torch's ``test_meta_tensor_init`` and ``test_tp_model_meta_init`` on CPU."""
     import hyper_parallel.dtensor.parallel as tp
@@ -182,6 +203,8 @@ def _on_four_ranks() -> dict[str, Any]:
         "torch_layouts": {k: v[2] for k, v in _draws(theirs).items()},
         "hp_partial": _fill_of_partial(ours),
         "torch_partial": _fill_of_partial(theirs),
+        "hp_multinomial": _multinomial(ours),
+        "torch_multinomial": _multinomial(theirs),
     }
     result["dropout_1d"] = _dropout_1d()
     result["rand_1d"] = _rand_1d_and_manual_seed()
@@ -273,6 +296,20 @@ def test_deterministic_rand_1d_and_manual_seed(four_ranks: list[dict[str, Any]])
         ), run["outside"]
         for other in runs[rank + 1 :]:
             assert not torch.equal(run["sharded"], other["sharded"])
+
+
+def test_multinomial_of_row_shards_stays_sharded(four_ranks: list[dict[str, Any]]) -> None:
+    for got in four_ranks:
+        for key, mine in got["hp_multinomial"].items():
+            theirs = got["torch_multinomial"][key]
+            assert mine["exact"], (key, "not the one-device samples")
+            if "S1" in key:
+                # a shard of the classes is gathered, as torch (which then also splits the
+                # rows over the replicated axis; hp's fallback returns Replicate)
+                assert mine["comm"] == theirs["comm"] == {"all_gather": 1}, (key, mine, theirs)
+                continue
+            assert mine["layout"] == theirs["layout"], (key, mine, theirs)
+            assert mine["comm"] == theirs["comm"] == {}, (key, mine, theirs)
 
 
 def test_meta_init_then_to_empty(four_ranks: list[dict[str, Any]]) -> None:

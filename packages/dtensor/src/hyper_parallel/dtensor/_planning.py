@@ -619,9 +619,7 @@ def _outside_mesh_result(tensor_type: TensorType, plan: Plan, dtensors: list[DTe
         return _aliased_result(plan, None, dtensors)
     device = dtensors[0]._local_tensor.device
     outs = [
-        None
-        if spec is None
-        else tensor_type(torch.empty(0, dtype=spec.tensor_meta.dtype, device=device), spec)
+        None if spec is None else tensor_type(_outside_local(spec, device), spec)
         for spec in plan.out_specs
     ]
     if plan.single is not None:
@@ -629,6 +627,14 @@ def _outside_mesh_result(tensor_type: TensorType, plan: Plan, dtensors: list[DTe
     if plan.returns_list:
         return outs
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _outside_local(spec: DTensorSpec, device: torch.device) -> torch.Tensor:
+    """torch's local tensor off the mesh: a 0-dim zero for a scalar result, else empty."""
+    dtype = spec.tensor_meta.dtype
+    if not spec.shape:
+        return torch.zeros((), dtype=dtype, device=device)
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def _wrap_replicated(tensor_type: TensorType, out: Any, mesh: DeviceMesh) -> Any:

@@ -196,6 +196,7 @@ class DTensor(torch.Tensor):
             spec = _even_spec(
                 device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
             )
+            local_tensor = _off_mesh_empty(local_tensor, device_mesh)
             return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
         if (stride is None) != (shape is None):
             # torch's check and words: a shape alone does not say the global strides
@@ -237,6 +238,7 @@ class DTensor(torch.Tensor):
             local_tensor.dtype,
         )
         spec = DTensorSpec(device_mesh, placements_t, meta)
+        local_tensor = _off_mesh_empty(local_tensor, device_mesh)
         return FromLocal.apply(local_tensor, spec, run_check, DTensor)  # type: ignore[no-any-return]
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -298,6 +300,13 @@ class DTensor(torch.Tensor):
         """
         replicated = self.redistribute(placements=replicate_all(self._spec.mesh.ndim))
         return replicated.to_local(grad_placements=grad_placements)
+
+
+def _off_mesh_empty(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """As torch: a rank outside the mesh holds an empty local tensor, whatever it passed."""
+    if mesh.get_coordinate() is not None:
+        return local
+    return local.new_empty(0)
 
 
 def _even_global_shape(

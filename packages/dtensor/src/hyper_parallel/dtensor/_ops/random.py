@@ -83,6 +83,7 @@ from hyper_parallel.dtensor._spec import (
 )
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.platform import get_platform
 
 __all__ = ["RandomSeedWarning", "generation_chunk", "manual_seed"]
@@ -488,7 +489,6 @@ _SEEDED_BY_RULES = (
     aten.bernoulli.Tensor,
     aten.bernoulli_.Tensor,
     aten.native_dropout.default,
-    aten.multinomial.default,
     aten.normal.Tensor_float,
     aten.normal.float_Tensor,
     aten.normal.Tensor_Tensor,
@@ -510,3 +510,98 @@ def _seeded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 register_special(*_SEEDED_BY_RULES)(_seeded)
+
+
+def _multinomial_draws(
+    probs: torch.Tensor,
+    k: int,
+    replacement: bool,
+    draw: Callable[[tuple[int, ...], bool], torch.Tensor],
+) -> torch.Tensor:
+    """torch's CPU ``multinomial`` from its random numbers (``draw(shape, exponential)``).
+
+    Without replacement (or one sample) the kernel takes the top ``k`` of
+    ``probs / q`` for ``q ~ Exp(1)`` of ``probs``'s shape; with replacement it draws
+    ``(rows, k)`` float64 uniforms and inverts each row's cumulative distribution.
+    """
+    if not replacement or k == 1:
+        return (probs / draw(tuple(probs.shape), True)).topk(k, dim=-1).indices
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    uniforms = draw((probs.shape[0], k), False)
+    return torch.searchsorted(cdf, uniforms).clamp_(max=probs.shape[-1] - 1)
+
+
+@lru_cache(maxsize=64)
+def _multinomial_reproduced(dtype: torch.dtype, k: int, replacement: bool) -> bool:
+    """True when :func:`_multinomial_draws` gives torch's CPU kernel's samples and state."""
+    for seed, rows, classes in ((3, 7, 5), (4, 9, 11)):
+        g = torch.Generator().manual_seed(seed)
+        probs = torch.rand(rows, classes, generator=g).to(dtype)
+        probs[0, 1:3] = 0  # zero-probability classes are never drawn
+        if k > classes:
+            return False
+        g.manual_seed(seed)
+        want = torch.multinomial(probs, k, replacement, generator=g)
+        state = g.get_state()
+        g.manual_seed(seed)
+
+        def draw(shape: tuple[int, ...], exponential: bool, g: torch.Generator = g) -> torch.Tensor:
+            if exponential:
+                return torch.empty(shape, dtype=dtype).exponential_(1, generator=g)
+            return torch.rand(shape, dtype=torch.float64, generator=g)
+
+        got = _multinomial_draws(probs, k, replacement, draw)
+        if not (torch.equal(got, want) and torch.equal(state, g.get_state())):
+            return False
+    return True
+
+
+def _multinomial(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``multinomial`` of row-sharded probabilities stays ``Shard(0)``: each rank samples its rows.
+
+    The random numbers are this rank's slice of the one-device draw, so the samples
+    are those of one device (checked once against torch's kernel; otherwise the
+    fallback, which samples the gathered tensor).
+    """
+    x: DTensor = args[0]
+    k = int(args[1] if len(args) > 1 else kwargs["num_samples"])
+    replacement = bool(args[2] if len(args) > 2 else kwargs.get("replacement", False))
+    spec = x._spec
+    rows_only = all(p == Replicate() or p == Shard(0) for p in spec.placements)
+    local = x._local_tensor
+    if not (
+        rows_only
+        and spec.ndim == 2
+        and kwargs.get("generator") is None
+        and get_platform().rng_is_sequential(local.device)
+        and _multinomial_reproduced(local.dtype, k, replacement)
+    ):
+        return _seeded(func, args, kwargs)
+    mesh = spec.mesh
+
+    def draw(local_shape: tuple[int, ...], exponential: bool) -> torch.Tensor:
+        # this rank's slice of the one-device draw for the global rows
+        shape = tuple(spec.shape) if exponential else (spec.shape[0], k)
+        dtype = local.dtype if exponential else torch.float64
+        draw_spec = DTensorSpec(
+            mesh, spec.placements, TensorMeta(shape, contiguous_strides(shape), dtype)
+        )
+        box = _shard_box(draw_spec)
+        values = torch.empty(box.shape if box is not None else (0,), dtype=dtype)
+        if exponential:
+            fill_shard(values, draw_spec, aten.exponential_.default, (1.0,), {})
+        else:
+            fill_shard(values, draw_spec, aten.uniform_.default, (0.0, 1.0), {})
+        return values
+
+    rows = spec.shape[0]
+    out_meta = TensorMeta((rows, k), contiguous_strides((rows, k)), torch.int64)
+    out_spec = DTensorSpec(mesh, spec.placements, out_meta)
+    if mesh.get_coordinate() is None:
+        return DTensor(torch.empty(0, dtype=torch.int64, device=local.device), out_spec)
+    sync_generator(mesh, local.device)
+    return DTensor(_multinomial_draws(local, k, replacement, draw), out_spec)
+
+
+register_special(aten.multinomial.default)(_multinomial)
