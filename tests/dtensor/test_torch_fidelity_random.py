@@ -138,6 +138,25 @@ def _rand_1d_and_manual_seed() -> dict[str, Any]:
     out["sharded"] = sharded.to_local().clone()
     out["replicated"] = replicated.to_local().clone()
     out["seed"] = torch.initial_seed()
+    # torch's test_init_with_user_generator: a generator seeded like the default one
+    # draws the same values, and both advance
+    t1 = hp.empty(8, 3, device_mesh=mesh, placements=[hp.Shard(0)])
+    t2 = hp.empty(8, 3, device_mesh=mesh, placements=[hp.Shard(0)])
+    torch.manual_seed(42)
+    rng = torch.Generator().manual_seed(42)
+    same = []
+    for _ in range(2):
+        torch.nn.init.uniform_(t1, 0.0, 1.0)
+        torch.nn.init.uniform_(t2, 0.0, 1.0, rng)
+        same.append(torch.equal(t1.full_tensor(), t2.full_tensor()))
+    out["user_generator_same"] = same
+    # torch's test_pipeline_parallel_manual_seed: one seed per stage of a (pp, spmd) mesh
+    world_mesh = hp.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "spmd"))
+    spmd = world_mesh["spmd"]
+    hp.manual_seed(123 + world_mesh.get_local_rank("pp"), spmd)
+    stage = hp.ones(2 * spmd.size(), 2, device_mesh=spmd, placements=[hp.Shard(0)])
+    torch.nn.init.normal_(stage)
+    out["pipeline_local"] = stage.to_local().clone()
     outside = hp.DeviceMesh("cpu", [(rank + 1) % world])
     try:
         hp.manual_seed(rank, outside)
@@ -294,8 +313,10 @@ def test_deterministic_rand_1d_and_manual_seed(four_ranks: list[dict[str, Any]])
         assert "manual_seed requires the current rank to be a part of the device mesh" in str(
             run["outside"]
         ), run["outside"]
+        assert run["user_generator_same"] == [True, True]
         for other in runs[rank + 1 :]:
             assert not torch.equal(run["sharded"], other["sharded"])
+            assert not torch.equal(run["pipeline_local"], other["pipeline_local"])
 
 
 def test_multinomial_of_row_shards_stays_sharded(four_ranks: list[dict[str, Any]]) -> None:
