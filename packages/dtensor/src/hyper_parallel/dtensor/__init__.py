@@ -20,7 +20,6 @@ from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
-from hyper_parallel.dtensor._ops.random import RandomSeedWarning, manual_seed
 from hyper_parallel.dtensor._planning import (
     FallbackWarning,
     clear_plan_cache,
@@ -28,6 +27,7 @@ from hyper_parallel.dtensor._planning import (
     plan_cache_size,
     reset_fallback_counts,
 )
+from hyper_parallel.dtensor._seeds import RandomSeedWarning, manual_seed
 from hyper_parallel.dtensor._spec import normalize_placements
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.debug import CommDebugMode
