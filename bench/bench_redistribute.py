@@ -92,7 +92,7 @@ def _bench_rank(sizes: Sequence[int], warmup: int) -> list[dict[str, Any]]:
         local_shape = (size // world_size, size)
         for name, (src, dst) in TRANSITIONS.items():
             local = torch.randn(local_shape if isinstance(src, Shard) else shape)
-            ours = DTensor.from_local(local, mesh, [src], shape=shape)
+            ours = DTensor.from_local(local, mesh, [src], shape=shape, stride=(size, 1))
             theirs = tdt.DTensor.from_local(
                 local,
                 torch_mesh,

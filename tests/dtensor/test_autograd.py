@@ -125,7 +125,9 @@ def _leaf_gradients(world_size: int) -> list[str]:
     # 4. the hook is registered once, and costs nothing when the layout already matches
     t = distribute_tensor(x_full, mesh, [Shard(0)]).requires_grad_()
     t.requires_grad_().requires_grad_(True)
-    matching = DTensor.from_local(torch.ones(t.to_local().shape), mesh, [Shard(0)], shape=(6, 3))
+    matching = DTensor.from_local(
+        torch.ones(t.to_local().shape), mesh, [Shard(0)], shape=(6, 3), stride=(3, 1)
+    )
     with _Collectives() as comms:
         torch.autograd.backward(t, matching)
         torch.autograd.backward(t, matching)  # accumulates

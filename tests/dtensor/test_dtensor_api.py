@@ -323,7 +323,9 @@ def _bad_inputs() -> list[str]:
     )
     c.raises(
         "from_local shape mismatch",
-        lambda: DTensor.from_local(torch.zeros(3, 3), mesh, [Shard(0)], shape=(8, 3)),
+        lambda: DTensor.from_local(
+            torch.zeros(3, 3), mesh, [Shard(0)], shape=(8, 3), stride=(3, 1)
+        ),
         ValueError,
         "global shape (8, 3)",
         "must hold a shard of shape (4, 3)",
@@ -331,7 +333,7 @@ def _bad_inputs() -> list[str]:
     )
     c.raises(
         "from_local shape with the wrong rank",
-        lambda: DTensor.from_local(full, mesh, [Shard(0)], shape=(8,)),
+        lambda: DTensor.from_local(full, mesh, [Shard(0)], shape=(8,), stride=(1,)),
         ValueError,
         "shape (8,) has 1 dim(s), the local tensor has 2",
     )
@@ -373,7 +375,9 @@ def _bad_inputs() -> list[str]:
     bad_local = torch.zeros(2 + dist.get_rank(), 3)
     c.raises(
         "run_check with a shard that torch.chunk cannot produce",
-        lambda: DTensor.from_local(bad_local, mesh, [Shard(0)], shape=(4, 3), run_check=True),
+        lambda: DTensor.from_local(
+            bad_local, mesh, [Shard(0)], shape=(4, 3), stride=(3, 1), run_check=True
+        ),
         ValueError,
         "DTensor.from_local",
     )

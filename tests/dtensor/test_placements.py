@@ -73,6 +73,12 @@ def test_shard_rejects_a_non_int_dim() -> None:
 
 def test_partial_rejects_an_unknown_reduce_op() -> None:
     with pytest.raises(
-        ValueError, match=r"expected one of \('sum', 'avg', 'product', 'max', 'min'\), found 'prod'"
+        ValueError,
+        match=r"expected one of \('sum', 'avg', 'product', 'max', 'min'\) \(or 'prod'\), found 'mean'",
     ):
-        Partial("prod")  # type: ignore[arg-type]
+        Partial("mean")  # type: ignore[arg-type]
+
+
+def test_partial_prod_is_torchs_other_spelling_of_product() -> None:
+    assert Partial("prod") == Partial("product")
+    assert Partial("prod").reduce_op == "product"

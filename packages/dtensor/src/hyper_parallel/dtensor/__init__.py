@@ -24,6 +24,7 @@ from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
 from hyper_parallel.dtensor._planning import FallbackError, FallbackWarning, strict_mode
+from hyper_parallel.dtensor._seeds import RandomSeedWarning, manual_seed
 from hyper_parallel.dtensor._spec import normalize_placements
 from hyper_parallel.dtensor._tensor import (
     DTensor,
@@ -50,6 +51,7 @@ __all__ = [
     "FallbackWarning",
     "Partial",
     "Placement",
+    "RandomSeedWarning",
     "Replicate",
     "Shard",
     "clear_plan_cache",
@@ -63,6 +65,7 @@ __all__ = [
     "full",
     "implicit_replication",
     "init_device_mesh",
+    "manual_seed",
     "normalize_placements",
     "ones",
     "plan_cache_size",

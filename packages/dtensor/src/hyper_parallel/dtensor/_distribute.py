@@ -43,8 +43,10 @@ def distribute_tensor(
     same shape and dtype (checked: the same error on every rank otherwise). With
     ``None`` every rank slices its own copy, with no communication. A Partial axis
     holds the value split as torch splits it (``"sum"``: value / axis size). Ranks
-    outside the mesh hold an empty local tensor. ``device_mesh`` defaults to the mesh of
-    ``with mesh:``.
+    outside the mesh hold an empty local tensor. A meta (or fake) tensor gives a meta
+    DTensor (shapes and dtypes checked, no values sent), as torch, so a model built on
+    meta can be parallelized, then ``to_empty()``'d and initialised. ``device_mesh``
+    defaults to the mesh of ``with mesh:``.
 
     Example::
 
@@ -79,18 +81,33 @@ def distribute_tensor(
     data = tensor.detach()
     # Partial axes are distributed as Replicate, then split (torch's partition).
     laid_out = partial_to_replicate(placements_t)
+    no_data = _has_no_data(data)
     if coordinate is None:
         local = data.new_empty(0)
     elif src_data_rank is None:
         local = local_shard(data, device_mesh.shape, coordinate, laid_out)
+    elif no_data:
+        # meta/fake tensors (a model built on meta): shapes and dtypes are still checked
+        # across ranks, but there are no values to send; each rank takes its shard's shape
+        check_distribute_inputs(data, device_mesh)
+        local = local_shard(data, device_mesh.shape, coordinate, laid_out)
     else:
         check_distribute_inputs(data, device_mesh)
         local = _scatter_from(data, device_mesh, coordinate, laid_out, src_data_rank)
-    if coordinate is not None and laid_out != placements_t:
+    if coordinate is not None and laid_out != placements_t and not no_data:
         local = redistribute_local(local, spec.with_placements(laid_out), placements_t)
     result = DTensor(local, spec, requires_grad=tensor.requires_grad)
     ensure_leaf_grad_hook(result)
     return result
+
+
+def _has_no_data(tensor: torch.Tensor) -> bool:
+    """True for meta tensors and fake tensors (shapes without values)."""
+    if tensor.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(tensor))
 
 
 def _scatter_from(

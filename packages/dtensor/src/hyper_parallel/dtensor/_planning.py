@@ -519,9 +519,7 @@ class Planner:
             return _aliased_result(plan, None, dtensors)
         device = dtensors[0]._local_tensor.device
         outs = [
-            None
-            if spec is None
-            else self.tensor_type(torch.empty(0, dtype=spec.tensor_meta.dtype, device=device), spec)
+            None if spec is None else self.tensor_type(_outside_local(spec, device), spec)
             for spec in plan.out_specs
         ]
         if plan.single is not None:
@@ -697,3 +695,11 @@ def _write_back(dt: DTensor, full: torch.Tensor) -> None:
         return
     replicated = spec.with_placements(replicate_all(spec.mesh.ndim))
     dt._local_tensor.copy_(redistribute_local(full, replicated, spec.placements))
+
+
+def _outside_local(spec: DTensorSpec, device: torch.device) -> torch.Tensor:
+    """torch's local tensor off the mesh: a 0-dim zero for a scalar result, else empty."""
+    dtype = spec.tensor_meta.dtype
+    if not spec.shape:
+        return torch.zeros((), dtype=dtype, device=device)
+    return torch.empty(0, dtype=dtype, device=device)

@@ -17,6 +17,7 @@ from hyper_parallel.dtensor._redistribute import PlacementError
 from hyper_parallel.dtensor._spec import local_shape_and_offset
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.platform import get_platform
 
 __all__ = ["RankRecord", "check_distribute_inputs", "check_local_shards"]
 
@@ -81,6 +82,14 @@ def gather_records(
     record: RankRecord, mesh: DeviceMesh, device: torch.device
 ) -> dict[tuple[int, ...], RankRecord]:
     """Every mesh coordinate's record, on every rank of the mesh (one all-gather per axis)."""
+    # built on CPU even under ``with torch.device("meta"):`` (a model built on meta)
+    with torch.device("cpu"):
+        return _gather_records(record, mesh, device)
+
+
+def _gather_records(
+    record: RankRecord, mesh: DeviceMesh, device: torch.device
+) -> dict[tuple[int, ...], RankRecord]:
     stacked = _encode(record, mesh.ndim).to(device)
     for axis in reversed(range(mesh.ndim)):
         if mesh.size(axis) > 1:
@@ -182,7 +191,10 @@ def check_distribute_inputs(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
     what = "distribute_tensor"
     placeholder = (Replicate(),) * mesh.ndim
     mine = RankRecord(tensor.dtype, False, placeholder, tuple(tensor.shape))
-    records = gather_records(mine, mesh, tensor.device)
+    device = tensor.device
+    if device.type == "meta" or device.type != mesh.device_type:
+        device = get_platform().device_for(mesh.device_type)  # a meta tensor's record travels too
+    records = gather_records(mine, mesh, device)
     for field in ("dtype", "shape"):
         problem = _first_mismatch(records, mesh, what, field)
         if problem:

@@ -180,7 +180,7 @@ class DTensor(torch.Tensor):
         """Wrap this rank's shard as a DTensor; differentiable.
 
         Without ``shape``, shards are assumed even (global size = local size x axis
-        size). Pass ``shape`` (and ``stride``) for uneven shards. ``run_check=True``
+        size). Pass ``shape`` and ``stride`` (both, as torch) for uneven shards. ``run_check=True``
         checks every rank's shard against the others (dtype, requires_grad, placements,
         the dims no axis shards, ``torch.chunk`` shard sizes; the same error on every
         rank), infers an uneven global shape, and broadcasts Replicate values from the
@@ -207,10 +207,14 @@ class DTensor(torch.Tensor):
             spec = _even_spec(
                 device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
             )
+            local_tensor = _off_mesh_empty(local_tensor, device_mesh)
             return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
-        if stride is not None and shape is None:
+        if (stride is None) != (shape is None):
+            # torch's check and words: a shape alone does not say the global strides
             raise PlacementError(
-                f"DTensor.from_local: stride {tuple(stride)} given without shape; pass both"
+                f"DTensor.from_local: found shape {None if shape is None else tuple(shape)}, "
+                f"stride {None if stride is None else tuple(stride)}. Please pass both shape "
+                "and stride at the same time."
             )
         if shape is not None:
             global_shape = tuple(int(s) for s in shape)
@@ -245,6 +249,7 @@ class DTensor(torch.Tensor):
             local_tensor.dtype,
         )
         spec = DTensorSpec(device_mesh, placements_t, meta)
+        local_tensor = _off_mesh_empty(local_tensor, device_mesh)
         return FromLocal.apply(local_tensor, spec, run_check, DTensor)  # type: ignore[no-any-return]
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -310,6 +315,13 @@ class DTensor(torch.Tensor):
         """
         replicated = self.redistribute(placements=replicate_all(self._spec.mesh.ndim))
         return replicated.to_local(grad_placements=grad_placements)
+
+
+def _off_mesh_empty(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """As torch: a rank outside the mesh holds an empty local tensor, whatever it passed."""
+    if mesh.get_coordinate() is not None:
+        return local
+    return local.new_empty(0)
 
 
 DTensor._op_dispatcher = Dispatcher(DTensor)

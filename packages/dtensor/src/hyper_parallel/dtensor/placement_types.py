@@ -110,7 +110,8 @@ class Partial(Placement):
     """Every rank holds a partial value; the tensor is their reduction by ``reduce_op``.
 
     ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"product"``, ``"max"``, ``"min"``
-    (torch's names; ``"product"`` is what ``prod`` over a sharded dim gives).
+    (torch's names; ``"product"`` is what ``prod`` over a sharded dim gives). torch's
+    other spelling ``"prod"`` is accepted and means ``"product"``.
 
     Example::
 
@@ -121,10 +122,12 @@ class Partial(Placement):
     __slots__ = ("reduce_op",)
     reduce_op: ReduceOp
 
-    def __init__(self, reduce_op: ReduceOp = "sum") -> None:
+    def __init__(self, reduce_op: ReduceOp | Literal["prod"] = "sum") -> None:
+        if reduce_op == "prod":
+            reduce_op = "product"
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(
-                f"Partial(reduce_op): expected one of {_REDUCE_OPS}, found {reduce_op!r}"
+                f"Partial(reduce_op): expected one of {_REDUCE_OPS} (or 'prod'), found {reduce_op!r}"
             )
         object.__setattr__(self, "reduce_op", reduce_op)
 

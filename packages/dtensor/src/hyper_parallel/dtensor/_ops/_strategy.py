@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from hyper_parallel.dtensor._registry import Decision, Declined, OpCall
+import torch
+
+from hyper_parallel.dtensor._registry import Decision, Declined, LocalFn, OpCall
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
     "Candidate",
+    "add_once_into_partial",
     "choose",
     "decision_cost",
     "local_bytes",
@@ -116,7 +120,9 @@ def choose(
 ) -> Decision:
     """Pick, on every mesh axis independently, the candidate with the least communication.
 
-    Ties go to the earlier candidate. Outputs given as ``None`` are non-tensor.
+    Equal bytes go to the candidate with fewer collectives (torch's ``P * P``: one
+    all-reduce, not two reduce-scatters), then to the earlier candidate. Outputs given
+    as ``None`` are non-tensor.
     """
     mesh = call.mesh
     n_in = len(call.specs)
@@ -127,6 +133,7 @@ def choose(
     for axis in range(mesh.ndim):
         best: Candidate | None = None
         best_cost = math.inf
+        best_moves = 0
         for cand in candidates_for_axis(axis):
             if any(
                 cand[0][i] != call.specs[i].placements[axis]
@@ -135,12 +142,15 @@ def choose(
             ):
                 continue  # an in-place or out= op keeps the layout of the tensor it writes
             cost = 0.0
+            moves = 0
             for spec, target in zip(call.specs, cand[0], strict=True):
-                cost += redistribute_cost(spec, axis, spec.placements[axis], target)
-                if cost >= best_cost:
+                step = redistribute_cost(spec, axis, spec.placements[axis], target)
+                cost += step
+                moves += step > 1e-3 * local_bytes(spec)  # a local slice is no collective
+                if cost > best_cost:
                     break
-            if cost < best_cost:
-                best, best_cost = cand, cost
+            if cost < best_cost or (cost == best_cost and moves < best_moves):
+                best, best_cost, best_moves = cand, cost, moves
         if best is None:
             if written:  # the dispatcher then takes the fallback, which keeps the layout
                 raise Declined(
@@ -161,3 +171,39 @@ def choose(
         [tuple(i) for i in inputs],
         [tuple(o) if o is not None else None for o in outputs],
     )
+
+
+def add_once_into_partial(
+    call: OpCall, decision: Decision, addends: Sequence[tuple[int, int]]
+) -> LocalFn | None:
+    """The local op for a Partial("sum") result that takes Replicate ``addends`` unchanged.
+
+    ``addends`` lists ``(spec index, positional argument index)``. Summed over a
+    Partial("sum") axis, a Replicate addend would count once per rank; so only the
+    axis's first rank adds it (torch divides it by the axis size instead). Returns
+    ``None`` where this rank adds every addend (the op itself then runs).
+    """
+    coordinate = call.mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    out = decision.outputs[0]
+    zeroed = [
+        position
+        for i, position in addends
+        if out is not None
+        and any(
+            out[axis] == Partial("sum")
+            and isinstance(decision.inputs[i][axis], Replicate)
+            and coordinate[axis] != 0
+            for axis in range(call.mesh.ndim)
+        )
+    ]
+    if not zeroed:
+        return None
+    func = call.func
+
+    def local(*args: Any, **kwargs: Any) -> Any:
+        swapped = [torch.zeros_like(a) if k in zeroed else a for k, a in enumerate(args)]
+        return func(*swapped, **kwargs)
+
+    return local

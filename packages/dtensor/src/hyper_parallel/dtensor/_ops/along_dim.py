@@ -3,7 +3,8 @@
 ``cumsum``, ``flip``, ``logsumexp``, ``topk``, ``repeat``, ``constant_pad_nd``: a shard
 of a dim the op does not touch stays sharded (at the dim's place in the output); a
 shard of a dim it works along is gathered first, as torch does. Partial inputs are
-reduced first, except that ``cumsum`` and ``flip`` keep a Partial sum (they are linear).
+reduced first, except that ``cumsum``, ``flip`` and ``constant_pad_nd`` with value 0
+keep a Partial sum (they are linear).
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ def _pad_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     pad = list(call.args[1])
     padded = {spec.ndim - 1 - i // 2 for i, amount in enumerate(pad) if amount != 0}
-    return _keep_other_dims(call, [None if d in padded else d for d in range(spec.ndim)])
+    value = call.args[2] if len(call.args) > 2 else call.kwargs.get("value", 0)
+    # padding with zeros is linear: a Partial sum stays Partial (as torch)
+    return _keep_other_dims(
+        call, [None if d in padded else d for d in range(spec.ndim)], keep_sum_partial=value == 0
+    )
 
 
 register_rule(aten.cumsum.default)(_cumsum_rule)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._loss_parallel import loss_parallel_active
+from hyper_parallel.dtensor._ops.losses import _MEAN, _NONE
 from hyper_parallel.dtensor._redistribute import redistribute_local
 from hyper_parallel.dtensor._registry import register_special
 from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, contiguous_strides, replicate_all
@@ -74,29 +75,61 @@ def _log_softmax_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     x = args[0]
     if loss_parallel_active() and isinstance(x, DTensor):
         dim = args[1] + x.ndim if args[1] < 0 else args[1]
-        if dim != x.ndim - 1:
-            # the fused backward is written for a class dim that is last: (N, C) or (C,)
-            raise _class_dim_not_last("log_softmax", x, dim)
         class_sharding_axis(x._spec.placements, dim, where="log_softmax")
+        if dim != x.ndim - 1:
+            # (N, C, d...) logits: the class-last kernels on a view with the class dim
+            # moved last; the result is that view moved back (no copy, no gather)
+            moved = aten._log_softmax.default(x.movedim(dim, -1), -1, *args[2:])
+            return moved.movedim(-1, dim)
     return dispatch_by_rules(func, args, kwargs)
 
 
-def _class_dim_not_last(where: str, x: DTensor, dim: int) -> NotImplementedError:
-    return NotImplementedError(
-        f"{where} under loss_parallel(): expected logits of shape (N, C) or (C,) (class dim "
-        f"last), found shape {tuple(x.shape)} with the class dim {dim}; flatten the other "
-        "dims first: F.cross_entropy(logits.flatten(0, -2), target.flatten())"
-    )
+def _class_last_rows(x: DTensor) -> DTensor:
+    """``(N, C, d...)`` logits as ``(N * prod(d), C)`` rows: the class dim (sharded) last."""
+    rows: DTensor = x.movedim(1, -1).reshape(-1, x.shape[1])  # type: ignore[assignment]
+    return rows
 
 
 def _nll2d_forward_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``nll_loss2d`` (``(N, C, h, w)`` logits) under loss parallel: the ``(N, C)`` kernels on rows."""
     x = args[0]
-    if loss_parallel_active() and isinstance(x, DTensor):
-        raise _class_dim_not_last("nll_loss2d", x, 1)
-    return dispatch_by_rules(func, args, kwargs)
+    if not (loss_parallel_active() and isinstance(x, DTensor)):
+        return dispatch_by_rules(func, args, kwargs)
+    class_sharding_axis(x._spec.placements, 1, where="nll_loss2d")
+    target = _as_replicated(args[1], x)
+    weight = _as_replicated(args[2], x) if len(args) > 2 else kwargs.get("weight")
+    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", _MEAN)
+    ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    loss, total = aten.nll_loss_forward.default(
+        _class_last_rows(x), target.reshape(-1), weight, reduction, ignore_index
+    )
+    if reduction == _NONE:
+        loss = loss.reshape(target.shape)
+    return loss, total
+
+
+def _nll2d_backward_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``nll_loss2d_backward`` under loss parallel: the fused ``(N, C)`` backward on rows."""
+    x = args[1]
+    if not (loss_parallel_active() and isinstance(x, DTensor)):
+        return dispatch_by_rules(func, args, kwargs)
+    grad, target, weight, reduction, ignore_index, total = (
+        args[0],
+        _as_replicated(args[2], x),
+        _as_replicated(args[3], x),
+        *args[4:7],
+    )
+    if reduction == _NONE:
+        grad = grad.reshape(-1)
+    rows = aten.nll_loss_backward.default(
+        grad, _class_last_rows(x), target.reshape(-1), weight, reduction, ignore_index, total
+    )
+    channels_last = (x.shape[0], *x.shape[2:], x.shape[1])
+    return rows.reshape(channels_last).movedim(-1, 1).contiguous()
 
 
 register_special(aten.nll_loss_forward.default)(_nll_forward_special)
 register_special(aten.nll_loss_backward.default)(_nll_backward_special)
 register_special(aten._log_softmax.default)(_log_softmax_special)
 register_special(aten.nll_loss2d_forward.default)(_nll2d_forward_special)
+register_special(aten.nll_loss2d_backward.default)(_nll2d_backward_special)

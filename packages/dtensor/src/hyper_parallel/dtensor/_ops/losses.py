@@ -17,7 +17,8 @@ the op (``Replicate`` there, as torch returns it), a plain target or weight is t
 as replicated, and the backward is fused: ``nll_loss_backward`` returns the gradient
 of the *logits* (``softmax - one_hot``, no communication) and the sharded
 ``log_softmax`` backward passes it through. Like torch's, that assumes the
-log-probabilities feed only the loss (``F.cross_entropy``).
+log-probabilities feed only the loss (``F.cross_entropy``). ``(N, C, d...)`` logits
+(``nll_loss2d``, class dim 1) run the same kernels on rows with the class dim last.
 """
 
 from __future__ import annotations

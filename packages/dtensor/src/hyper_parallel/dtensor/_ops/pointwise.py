@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._ops._strategy import Candidate, add_once_into_partial, choose
 from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule, register_tag_rule
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -91,6 +91,11 @@ def pointwise_candidates(call: OpCall, axis: int) -> list[Candidate]:
             cands.append(((p,), (p,) * n_out))
         elif packet in _LINEAR_SUM and not _has_scalar_addend(call):
             cands.append(((p,) * len(specs), (p,) * n_out))
+            if len(specs) > 1 and any(c != p for c in current) and not call.kwargs:
+                # P + R stays P with no communication, as torch: the replicated addend is
+                # added once (on the first rank of a sum axis; see add_once_into_partial)
+                ins_sum = tuple(p if c == p else Replicate() for c in current)
+                cands.append((ins_sum, (p,) * n_out))
         elif packet in _LINEAR_PRODUCT:
             if len(specs) == 1:
                 cands.append(((p,), (p,) * n_out))
@@ -137,6 +142,10 @@ def pointwise_rule(call: OpCall) -> Decision:
     if call.out_metas[0] is None:
         return None  # type: ignore[return-value]
     decision = choose(call, lambda axis: pointwise_candidates(call, axis))
+    if call.func.overloadpacket in _LINEAR_SUM and len(call.specs) > 1:
+        positions = [k for k, a in enumerate(call.args) if isinstance(a, DTensorSpec)]
+        if len(positions) == len(call.specs):
+            decision.local_fn = add_once_into_partial(call, decision, list(enumerate(positions)))
     if _writes_partial_exactly(call):
         coordinate = call.mesh.get_coordinate() or [0] * call.mesh.ndim
         sum_axes = [

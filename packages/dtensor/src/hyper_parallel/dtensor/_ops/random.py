@@ -25,8 +25,20 @@ one piece, or its global strides are not contiguous, the full tensor is drawn at
 once and sliced (exact by construction).
 
 Exact: bitwise equal values and generator state, for any mesh, any Shard /
-Replicate placements (uneven and nested shards included); Partial axes are
-overwritten, so the result is Replicate there.
+Replicate placements (uneven and nested shards included). So replicas agree and
+shards differ, as with torch's offset-based RNG tracker. An in-place fill of a
+Partial DTensor raises, as in torch (it would change the target's placement);
+``rand_like`` of a Partial gives a Replicate DTensor.
+
+Seeds: the values are those of one device only if every rank's default generator
+holds the same state. As torch's DTensor does at its first random op, the first
+random op on each mesh (and device type) takes the generator state of the mesh's
+first rank: one broadcast of the state per mesh axis, once per mesh, warning on
+the ranks whose state differed (per-rank seeds). Unlike torch, which broadcasts
+over the whole world once, the sync stays inside the op's mesh, so pipeline
+stages on separate meshes keep their own seeds (``_seeds.py``). ``manual_seed`` (torch's
+``manual_seed(seed, device_mesh)``) seeds this rank and turns the sync off: the
+caller vouches for the seeds. A user-passed ``generator=`` is never synced (as torch).
 Memory per rank: the local shard, plus one piece of ``C`` elements (default
 ``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
 float32) when the shard is one contiguous run of the flat tensor (Shard(0),
@@ -59,6 +71,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._registry import register_special
+from hyper_parallel.dtensor._seeds import sync_generator
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -66,7 +79,8 @@ from hyper_parallel.dtensor._spec import (
     local_shape_and_offset,
     partial_to_replicate,
 )
-from hyper_parallel.dtensor._tensor import DTensor
+from hyper_parallel.dtensor._tensor import DTensor, dispatch_by_rules
+from hyper_parallel.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.platform import get_platform
 
 __all__ = ["generation_chunk"]
@@ -260,6 +274,8 @@ def fill_shard(
     box = _shard_box(spec)
     if box is None or local.device.type == "meta":
         return
+    if kwargs.get("generator") is None:
+        sync_generator(spec.mesh, local.device)
     meta = spec.tensor_meta
     n = math.prod(meta.shape)
     chunk = _chunk_elements.get()
@@ -332,9 +348,14 @@ def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
         raise TypeError(f"{func}: expected number arguments after the DTensor, found a tensor")
     spec: DTensorSpec = self._spec
-    placements = partial_to_replicate(spec.placements)  # a fill overwrites Partial values
-    if placements != spec.placements:
-        self._spec = spec.with_placements(placements)
+    if partial_to_replicate(spec.placements) != spec.placements:
+        # torch's message: a fill would turn the Partial target into a Replicate one
+        raise RuntimeError(
+            f"{func}: in-place operations that require placement changes are not supported. "
+            f"The input has placements {spec.placements}; a random fill would make them "
+            "Replicate. Redistribute the DTensor (e.g. .redistribute(placements=[Replicate()])) "
+            "or fill a new one"
+        )
     fill_shard(self._local_tensor, self._spec, func, rest, kwargs)
     return self  # type: ignore[no-any-return]
 
@@ -370,3 +391,129 @@ def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTen
 
 register_special(*_IN_PLACE_FILLS)(_in_place_fill)
 register_special(*_LIKE)(_like_fill)
+
+
+# Random ops drawn by sharding rules or the fallback (which draws the full tensor on
+# every rank): their generator state is synced first, like the fills above.
+_SEEDED_BY_RULES = (
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.bernoulli.Tensor,
+    aten.bernoulli_.Tensor,
+    aten.native_dropout.default,
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.normal.Tensor_Tensor,
+    aten.poisson.default,
+    aten._standard_gamma.default,
+    aten.rrelu_with_noise.default,
+)
+
+
+def _seeded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A random op run by its rule or the fallback, after syncing the generator of its mesh."""
+    first = next(
+        (a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)),
+        None,
+    )
+    if first is not None and kwargs.get("generator") is None:
+        sync_generator(first._spec.mesh, first._local_tensor.device)
+    return dispatch_by_rules(func, args, kwargs)
+
+
+register_special(*_SEEDED_BY_RULES)(_seeded)
+
+
+def _multinomial_draws(
+    probs: torch.Tensor,
+    k: int,
+    replacement: bool,
+    draw: Callable[[tuple[int, ...], bool], torch.Tensor],
+) -> torch.Tensor:
+    """torch's CPU ``multinomial`` from its random numbers (``draw(shape, exponential)``).
+
+    Without replacement (or one sample) the kernel takes the top ``k`` of
+    ``probs / q`` for ``q ~ Exp(1)`` of ``probs``'s shape; with replacement it draws
+    ``(rows, k)`` float64 uniforms and inverts each row's cumulative distribution.
+    """
+    if not replacement or k == 1:
+        return (probs / draw(tuple(probs.shape), True)).topk(k, dim=-1).indices
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    uniforms = draw((probs.shape[0], k), False)
+    return torch.searchsorted(cdf, uniforms).clamp_(max=probs.shape[-1] - 1)
+
+
+@lru_cache(maxsize=64)
+def _multinomial_reproduced(dtype: torch.dtype, k: int, replacement: bool) -> bool:
+    """True when :func:`_multinomial_draws` gives torch's CPU kernel's samples and state."""
+    for seed, rows, classes in ((3, 7, 5), (4, 9, 11)):
+        g = torch.Generator().manual_seed(seed)
+        probs = torch.rand(rows, classes, generator=g).to(dtype)
+        probs[0, 1:3] = 0  # zero-probability classes are never drawn
+        if k > classes:
+            return False
+        g.manual_seed(seed)
+        want = torch.multinomial(probs, k, replacement, generator=g)
+        state = g.get_state()
+        g.manual_seed(seed)
+
+        def draw(shape: tuple[int, ...], exponential: bool, g: torch.Generator = g) -> torch.Tensor:
+            if exponential:
+                return torch.empty(shape, dtype=dtype).exponential_(1, generator=g)
+            return torch.rand(shape, dtype=torch.float64, generator=g)
+
+        got = _multinomial_draws(probs, k, replacement, draw)
+        if not (torch.equal(got, want) and torch.equal(state, g.get_state())):
+            return False
+    return True
+
+
+def _multinomial(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``multinomial`` of row-sharded probabilities stays ``Shard(0)``: each rank samples its rows.
+
+    The random numbers are this rank's slice of the one-device draw, so the samples
+    are those of one device (checked once against torch's kernel; otherwise the
+    fallback, which samples the gathered tensor).
+    """
+    x: DTensor = args[0]
+    k = int(args[1] if len(args) > 1 else kwargs["num_samples"])
+    replacement = bool(args[2] if len(args) > 2 else kwargs.get("replacement", False))
+    spec = x._spec
+    rows_only = all(p == Replicate() or p == Shard(0) for p in spec.placements)
+    local = x._local_tensor
+    if not (
+        rows_only
+        and spec.ndim == 2
+        and kwargs.get("generator") is None
+        and get_platform().rng_is_sequential(local.device)
+        and _multinomial_reproduced(local.dtype, k, replacement)
+    ):
+        return _seeded(func, args, kwargs)
+    mesh = spec.mesh
+
+    def draw(local_shape: tuple[int, ...], exponential: bool) -> torch.Tensor:
+        # this rank's slice of the one-device draw for the global rows
+        shape = tuple(spec.shape) if exponential else (spec.shape[0], k)
+        dtype = local.dtype if exponential else torch.float64
+        draw_spec = DTensorSpec(
+            mesh, spec.placements, TensorMeta(shape, contiguous_strides(shape), dtype)
+        )
+        box = _shard_box(draw_spec)
+        values = torch.empty(box.shape if box is not None else (0,), dtype=dtype)
+        if exponential:
+            fill_shard(values, draw_spec, aten.exponential_.default, (1.0,), {})
+        else:
+            fill_shard(values, draw_spec, aten.uniform_.default, (0.0, 1.0), {})
+        return values
+
+    rows = spec.shape[0]
+    out_meta = TensorMeta((rows, k), contiguous_strides((rows, k)), torch.int64)
+    out_spec = DTensorSpec(mesh, spec.placements, out_meta)
+    if mesh.get_coordinate() is None:
+        return DTensor(torch.empty(0, dtype=torch.int64, device=local.device), out_spec)
+    sync_generator(mesh, local.device)
+    return DTensor(_multinomial_draws(local, k, replacement, draw), out_spec)
+
+
+register_special(aten.multinomial.default)(_multinomial)

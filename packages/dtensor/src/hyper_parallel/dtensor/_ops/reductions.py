@@ -366,3 +366,25 @@ register_rule(
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
 )(_softmax_rule)
+
+
+def _dist_rule(call: OpCall) -> Decision | None:
+    """``dist(a, b, p=1)``: a sum of ``|a - b|``, so shards of like-shaped inputs give a Partial sum.
+
+    As torch's: matching shards reduce locally and the result is ``Partial("sum")``
+    over their axes; other norms (``p != 1``) decline (the fallback).
+    """
+    p = call.args[2] if len(call.args) > 2 else call.kwargs.get("p", 2)
+    if p != 1 or len(call.specs) != 2 or call.specs[0].shape != call.specs[1].shape:
+        return None
+    ndim = call.specs[0].ndim
+
+    def candidates(axis: int) -> list[Candidate]:
+        cands: list[Candidate] = [((Shard(d), Shard(d)), (Partial(),)) for d in range(ndim)]
+        cands.append(((Replicate(), Replicate()), (Replicate(),)))
+        return cands
+
+    return choose(call, candidates)
+
+
+register_rule(aten.dist.default)(_dist_rule)

@@ -115,3 +115,39 @@ def _as_strided(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
             func(local, *args[1:], **kwargs), DTensorSpec(spec.mesh, spec.placements, meta)
         )
     return dispatch_by_rules(func, args, kwargs)
+
+
+@register_special(aten.unbind.int)
+def _unbind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``unbind`` along a sharded dim raises, as torch: each slice would need a redistribution."""
+    x = args[0]
+    spec: DTensorSpec = x._spec
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dim = dim + spec.ndim if dim < 0 else dim
+    sharding = [axis for axis, p in enumerate(spec.placements) if p.is_shard(dim)]
+    if sharding:
+        raise RuntimeError(
+            f"{func}: attempted to unbind along the sharded dimension {dim} (placements "
+            f"{spec.placements}, mesh axis {sharding[0]}). It cannot be performed without "
+            "redistribution, which is disallowed by the current operator (as in torch); "
+            f"redistribute dim {dim} to Replicate() first"
+        )
+    return dispatch_by_rules(func, args, kwargs)
+
+
+@register_special(aten.embedding_renorm_.default)
+def _embedding_renorm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``nn.Embedding(max_norm=...)``'s in-place renorm: on a replicated weight only, as torch.
+
+    torch has no sharding rule for it and raises; renormalising a shard in place would
+    need its rows' norms across shards, so a sharded (or Partial) weight raises too.
+    """
+    weight = args[0]
+    spec: DTensorSpec = weight._spec
+    if not spec.is_replicated():
+        raise NotImplementedError(
+            f"{func}: nn.Embedding(max_norm=...) renormalises the weight in place, which "
+            f"hyper_parallel.dtensor (like torch) supports only on a Replicate() weight; this "
+            f"weight has placements {spec.placements}. Drop max_norm, or replicate the weight"
+        )
+    return dispatch_by_rules(func, args, kwargs)

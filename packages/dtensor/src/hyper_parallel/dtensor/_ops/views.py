@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._ops._strategy import Candidate, choose
+from hyper_parallel.dtensor._ops._strategy import Candidate, add_once_into_partial, choose
 from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
 from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -379,10 +379,15 @@ def _index_put_rule(call: OpCall) -> Decision | None:
         p = spec.placements[axis]
         if accumulate and has_values and isinstance(p, Partial) and p.reduce_op == "sum":
             cands.append(((p,) + (_R,) * n_idx + (p,), (p,)))
+            # replicated values accumulated into a Partial sum: added once, no communication
+            cands.append(((p,) + (_R,) * n_idx + (_R,), (p,)))
         cands.append(((_R,) * n_in, (_R,)))
         return cands
 
-    return choose(call, candidates)
+    decision = choose(call, candidates)
+    if accumulate and has_values:
+        decision.local_fn = add_once_into_partial(call, decision, [(n_in - 1, 2)])
+    return decision
 
 
 def _gather_scatter_rule(call: OpCall) -> Decision:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._spec import contiguous_strides as _strides
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -138,7 +139,9 @@ def _colwise_output(
     if return_local:  # the style's output hook would only unwrap it again
         return local
     shape = (*input_shape[:-1], module.out_features)
-    return DTensor.from_local(local, mesh, (Shard(local.ndim - 1),), shape=shape)
+    return DTensor.from_local(
+        local, mesh, (Shard(local.ndim - 1),), shape=shape, stride=_strides(shape)
+    )
 
 
 def _rowwise(module: nn.Linear, x: Any) -> Any:
@@ -153,7 +156,7 @@ def _rowwise(module: nn.Linear, x: Any) -> Any:
     mesh = weight.device_mesh
     local = F.linear(x, weight.to_local())
     shape = (*x.shape[:-1], module.out_features)
-    y = DTensor.from_local(local, mesh, _P, shape=shape)
+    y = DTensor.from_local(local, mesh, _P, shape=shape, stride=_strides(shape))
     if module.bias is None:
         return y
     # The bias joins the reduced sum (every rank computes its replicated gradient).

@@ -16,7 +16,8 @@ def loss_parallel() -> Iterator[None]:
 
     As ``torch.distributed.tensor.parallel.loss_parallel``: inside the context the
     input of ``cross_entropy`` / ``nll_loss`` / ``log_softmax`` must be a DTensor
-    sharded on its class dim on exactly one mesh axis (``ValueError`` otherwise);
+    sharded on its class dim on exactly one mesh axis (``ValueError`` otherwise):
+    ``(N, C)``, ``(C,)`` or ``(N, C, d...)`` logits;
     the target may be a plain tensor (taken as replicated) or a DTensor; the loss
     comes back replicated over that axis. The forward costs three all-reduces of
     ``(tokens,)``-sized values or less (row max, sum of exponentials, the loss) and
