@@ -266,6 +266,21 @@ def _stages_per_rank(schedule: str) -> int:
     return 1 if schedule in ("GPipe", "1F1B") else 2
 
 
+def _rank_batch(
+    options: Options, step: int, dp_rank: int, local_batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's rows of the step's global batch (every rank draws the same)."""
+    tokens, targets = synthetic_batch(
+        step,
+        batch_size=options.batch_size,
+        seq_len=options.seq_len,
+        vocab_size=options.model.vocab_size,
+        seed=options.seed,
+    )
+    rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+    return tokens[rows].to(device), targets[rows].to(device)
+
+
 def train_pipelined(options: Options) -> RankReport | None:
     """One rank of a ``--pp`` run: this rank's stages over a ``(pp, dp, tp)`` mesh.
 
@@ -305,17 +320,10 @@ def train_pipelined(options: Options) -> RankReport | None:
     nbytes: Counter[str] = Counter()
     for step in range(1, options.steps + 1):
         start = time.perf_counter()
-        tokens, targets = synthetic_batch(
-            step,
-            batch_size=options.batch_size,
-            seq_len=options.seq_len,
-            vocab_size=options.model.vocab_size,
-            seed=options.seed,
-        )
-        rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        tokens, targets = _rank_batch(options, step, dp_rank, local_batch, device)
         step_counts: Counter[str] = Counter()
         with count_collectives(step_counts, nbytes if step == 1 else Counter()):
-            loss = pipe.step(tokens[rows].to(device), target=targets[rows].to(device))
+            loss = pipe.step(tokens, target=targets)
             for part in pipe.model_parts:
                 average_gradients(part, mesh, "dp")
         optimizer.step()
@@ -423,17 +431,10 @@ def train_rank(options: Options) -> RankReport | None:
     nbytes: Counter[str] = Counter()
     for step in range(first_step, options.steps + 1):
         start = time.perf_counter()
-        tokens, targets = synthetic_batch(
-            step,
-            batch_size=options.batch_size,
-            seq_len=options.seq_len,
-            vocab_size=options.model.vocab_size,
-            seed=options.seed,
-        )
-        rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        tokens, targets = _rank_batch(options, step, dp_rank, local_batch, device)
         step_counts: Counter[str] = Counter()
         with count_collectives(step_counts, nbytes if step == first_step else Counter()):
-            loss = model.loss(tokens[rows].to(device), targets[rows].to(device))
+            loss = model.loss(tokens, targets)
             loss.backward()
             if not fsdp:
                 average_gradients(model, mesh, "dp")
