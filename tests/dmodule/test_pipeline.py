@@ -24,7 +24,13 @@ from tests._tolerance import assert_close_to_scale
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from hyper_parallel.dmodule import BaseModel
-from hyper_parallel.dmodule.checkpoint import ModelState, load, save, step_path
+from hyper_parallel.dmodule.checkpoint import (
+    CheckpointMismatchError,
+    ModelState,
+    load,
+    save,
+    step_path,
+)
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dmodule.models.training import synthetic_batch
@@ -179,8 +185,39 @@ PP_DP_SCHEDULES = ("1F1B", "GPipe")
 PP2_SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
 
 
-def _pp2() -> dict[str, Any]:
-    """pp=2: the bad inputs, then each schedule of PP2_SCHEDULES trained for STEPS steps."""
+def _resume_stages(mesh: DeviceMesh, directory: str) -> dict[str, Any]:
+    """hp's ``load`` resumes each stage from a checkpoint of all stages; a real mismatch is named."""
+    saved_pipe = _build(mesh, "GPipe")
+    torch.manual_seed(SEED)
+    saved_pipe.init_weights()
+    (saved_part,) = saved_pipe.model_parts
+    save({"app": ModelState(saved_part)}, directory, step=0)
+    resumed = _build(mesh, "GPipe")
+    torch.manual_seed(SEED + 1)  # other values, overwritten by the load
+    resumed.init_weights()
+    (part,) = resumed.model_parts
+    out: dict[str, Any] = {
+        "saved": {k: _full(v) for k, v in saved_part.state_dict().items()},
+        "step": load({"app": ModelState(part)}, directory),
+        "loaded": {k: _full(v) for k, v in part.state_dict().items()},
+    }
+    wrong = _build(mesh, "GPipe")
+    wrong.init_weights()
+    (wrong_part,) = wrong.model_parts
+    if wrong.has_last_stage:  # no rank holds the checkpoint's norm keys any more
+        wrong_part.norm = torch.nn.Identity()
+    try:
+        load({"app": ModelState(wrong_part)}, directory)
+        out["mismatch"] = "no error"
+    except CheckpointMismatchError as error:
+        out["mismatch"] = {"unexpected": error.unexpected, "missing": error.missing}
+    except ValueError as error:
+        out["mismatch"] = str(error)
+    return out
+
+
+def _pp2(directory: str) -> dict[str, Any]:
+    """pp=2: the bad inputs, each schedule of PP2_SCHEDULES trained, stages resumed by ``load``."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     tp_only = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {"bad": _bad_inputs(mesh, tp_only)}
@@ -189,6 +226,10 @@ def _pp2() -> dict[str, Any]:
             out[schedule] = _train(_build(mesh, schedule, per_rank))
         except Exception:
             out[schedule] = traceback.format_exc()
+    try:
+        out["resume"] = _resume_stages(mesh, directory)
+    except Exception:
+        out["resume"] = traceback.format_exc()
     return out
 
 
@@ -284,8 +325,9 @@ def _check_against_one_process(records: list[Record], *, steps: int = STEPS, **c
 
 
 @pytest.fixture(scope="module")
-def pp2() -> list[dict[str, Any]]:
-    return run_on_ranks(_pp2, 2, timeout_s=TIMEOUT_S)
+def pp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = str(tmp_path_factory.mktemp("pp2") / "ckpt")
+    return run_on_ranks(_pp2, 2, directory, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +345,24 @@ def test_pp2_schedule_trains_as_one_process(
     held = [r["stages"] for r in records]
     assert all(len(stages) == stages_per_rank for stages in held)
     assert sorted(s for stages in held for s in stages) == list(range(2 * stages_per_rank))
+
+
+def test_load_resumes_each_pipeline_stage_and_still_names_keys_no_rank_holds(
+    pp2: list[dict[str, Any]],
+) -> None:
+    results = [rank["resume"] for rank in pp2]
+    for result in results:
+        assert isinstance(result, dict), result  # a traceback string when the rank failed
+        assert result["step"] == 0
+        assert sorted(result["loaded"]) == sorted(result["saved"])
+        for key, value in result["saved"].items():
+            assert torch.equal(result["loaded"][key], value), key
+    held = sorted(k for result in results for k in result["saved"])
+    assert held == sorted(CONFIG.build().state_dict()), "each stage resumed only its own keys"
+    # the last stage lost its norm: no rank holds the checkpoint's norm keys, and every rank
+    # (the one holding no norm anyway too) refuses naming them, before loading anything
+    for result in results:
+        assert result["mismatch"] == {"unexpected": ["app.model.norm.weight"], "missing": []}
 
 
 def test_pp2_tp2_1f1b_trains_as_one_process(pp2_tp2: list[dict[str, Any]]) -> None:
