@@ -24,12 +24,20 @@ from tests._tolerance import assert_close_to_scale
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from hyper_parallel.dmodule import BaseModel
-from hyper_parallel.dmodule.checkpoint import ModelState, load, save, step_path
+from hyper_parallel.dmodule.checkpoint import (
+    CheckpointMismatchError,
+    ModelState,
+    load,
+    save,
+    step_path,
+)
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dmodule.pipeline import Pipeline, pipeline
 from hyper_parallel.dtensor import DeviceMesh, DTensor, init_device_mesh
+from hyper_parallel.dtensor.collectives import CollectiveRecord, observe_collectives
+from hyper_parallel.dtensor.fsdp import FSDPModule
 
 TIMEOUT_S = 400.0
 CONFIG = Llama.Config(
@@ -48,8 +56,12 @@ def _named(pipe: Pipeline) -> dict[str, torch.nn.Parameter]:
     return {name: p for part in pipe.model_parts for name, p in part.named_parameters()}
 
 
-def _train(pipe: Pipeline, steps: int = STEPS) -> Record:
-    """Initialise and train ``pipe``; what one rank saw, as full tensors."""
+def _train(pipe: Pipeline, steps: int = STEPS, dp: DeviceMesh | None = None) -> Record:
+    """Initialise and train ``pipe``; what one rank saw, as full tensors.
+
+    With ``dp`` (a ``dp_shard`` mesh) each dp rank feeds its rows of the batch, the
+    loss is the dp ranks' mean, and the step's collectives are recorded.
+    """
     torch.manual_seed(SEED)
     pipe.init_weights()
     params = _named(pipe)
@@ -60,12 +72,26 @@ def _train(pipe: Pipeline, steps: int = STEPS) -> Record:
         "losses": [],
         "grads": [],
         "params": [],
+        "reduce_scatters": [],
     }
     optimizer = torch.optim.AdamW(list(params.values()), lr=LR)
     for step in range(steps):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=64)
         optimizer.zero_grad()
-        loss = pipe.step(tokens, target=targets)
+        if dp is None:
+            loss = pipe.step(tokens, target=targets)
+        else:
+            rows = BATCH // dp.size(0)
+            begin = dp.get_local_rank(0) * rows
+            seen: list[CollectiveRecord] = []
+            with observe_collectives(seen.append):
+                loss = pipe.step(tokens[begin : begin + rows], target=targets[begin : begin + rows])
+            record["reduce_scatters"].append(
+                sum(r.kind == "reduce_scatter" and r.mesh_axis == "dp_shard" for r in seen)
+            )
+            if loss is not None:
+                torch.distributed.all_reduce(loss, group=dp.get_group(0))
+                loss = loss / dp.size(0)
         record["losses"].append(None if loss is None else float(loss))
         record["grads"].append({n: _full(p.grad) for n, p in params.items() if p.grad is not None})
         optimizer.step()
@@ -155,11 +181,43 @@ def _bad_inputs(mesh: DeviceMesh, tp_only: DeviceMesh) -> dict[str, str]:
     return out
 
 
+PP_DP_SCHEDULES = ("1F1B", "GPipe")
 PP2_SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
 
 
-def _pp2() -> dict[str, Any]:
-    """pp=2: the bad inputs, then each schedule of PP2_SCHEDULES trained for STEPS steps."""
+def _resume_stages(mesh: DeviceMesh, directory: str) -> dict[str, Any]:
+    """hp's ``load`` resumes each stage from a checkpoint of all stages; a real mismatch is named."""
+    saved_pipe = _build(mesh, "GPipe")
+    torch.manual_seed(SEED)
+    saved_pipe.init_weights()
+    (saved_part,) = saved_pipe.model_parts
+    save({"app": ModelState(saved_part)}, directory, step=0)
+    resumed = _build(mesh, "GPipe")
+    torch.manual_seed(SEED + 1)  # other values, overwritten by the load
+    resumed.init_weights()
+    (part,) = resumed.model_parts
+    out: dict[str, Any] = {
+        "saved": {k: _full(v) for k, v in saved_part.state_dict().items()},
+        "step": load({"app": ModelState(part)}, directory),
+        "loaded": {k: _full(v) for k, v in part.state_dict().items()},
+    }
+    wrong = _build(mesh, "GPipe")
+    wrong.init_weights()
+    (wrong_part,) = wrong.model_parts
+    if wrong.has_last_stage:  # no rank holds the checkpoint's norm keys any more
+        wrong_part.norm = torch.nn.Identity()
+    try:
+        load({"app": ModelState(wrong_part)}, directory)
+        out["mismatch"] = "no error"
+    except CheckpointMismatchError as error:
+        out["mismatch"] = {"unexpected": error.unexpected, "missing": error.missing}
+    except ValueError as error:
+        out["mismatch"] = str(error)
+    return out
+
+
+def _pp2(directory: str) -> dict[str, Any]:
+    """pp=2: the bad inputs, each schedule of PP2_SCHEDULES trained, stages resumed by ``load``."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     tp_only = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {"bad": _bad_inputs(mesh, tp_only)}
@@ -168,6 +226,10 @@ def _pp2() -> dict[str, Any]:
             out[schedule] = _train(_build(mesh, schedule, per_rank))
         except Exception:
             out[schedule] = traceback.format_exc()
+    try:
+        out["resume"] = _resume_stages(mesh, directory)
+    except Exception:
+        out["resume"] = traceback.format_exc()
     return out
 
 
@@ -180,6 +242,18 @@ def _pp2_tp2(directory: str) -> dict[str, Any]:
     save({"app": ModelState(part)}, directory, step=STEPS)
     out["saved"] = {k: _full(v) for k, v in part.state_dict().items()}
     out["sequence_parallel"] = _train(_build(mesh, "1F1B", sequence_parallel=True), steps=1)
+
+    # pp=2 x dp_shard=2: each stage fully sharded over its dp pair, the batch split over it
+    pp_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    for schedule in PP_DP_SCHEDULES:
+        try:
+            staged_dp = _build(pp_dp, schedule)
+            (dp_part,) = staged_dp.model_parts
+            record = _train(staged_dp, dp=pp_dp["dp_shard"])
+            record["fsdp_root"] = isinstance(dp_part, FSDPModule)
+            out[f"dp_{schedule}"] = record
+        except Exception:
+            out[f"dp_{schedule}"] = traceback.format_exc()
 
     # the same checkpoint on tp=4 without pipelining, into a model of other values
     tp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
@@ -251,8 +325,9 @@ def _check_against_one_process(records: list[Record], *, steps: int = STEPS, **c
 
 
 @pytest.fixture(scope="module")
-def pp2() -> list[dict[str, Any]]:
-    return run_on_ranks(_pp2, 2, timeout_s=TIMEOUT_S)
+def pp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = str(tmp_path_factory.mktemp("pp2") / "ckpt")
+    return run_on_ranks(_pp2, 2, directory, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +347,41 @@ def test_pp2_schedule_trains_as_one_process(
     assert sorted(s for stages in held for s in stages) == list(range(2 * stages_per_rank))
 
 
+def test_load_resumes_each_pipeline_stage_and_still_names_keys_no_rank_holds(
+    pp2: list[dict[str, Any]],
+) -> None:
+    results = [rank["resume"] for rank in pp2]
+    for result in results:
+        assert isinstance(result, dict), result  # a traceback string when the rank failed
+        assert result["step"] == 0
+        assert sorted(result["loaded"]) == sorted(result["saved"])
+        for key, value in result["saved"].items():
+            assert torch.equal(result["loaded"][key], value), key
+    held = sorted(k for result in results for k in result["saved"])
+    assert held == sorted(CONFIG.build().state_dict()), "each stage resumed only its own keys"
+    # the last stage lost its norm: no rank holds the checkpoint's norm keys, and every rank
+    # (the one holding no norm anyway too) refuses naming them, before loading anything
+    for result in results:
+        assert result["mismatch"] == {"unexpected": ["app.model.norm.weight"], "missing": []}
+
+
 def test_pp2_tp2_1f1b_trains_as_one_process(pp2_tp2: list[dict[str, Any]]) -> None:
     _check_against_one_process([rank["1F1B"] for rank in pp2_tp2])
+
+
+@pytest.mark.parametrize("schedule", PP_DP_SCHEDULES)
+def test_pp2_dp_shard2_trains_as_one_process_reducing_once_per_step(
+    pp2_tp2: list[dict[str, Any]], schedule: str
+) -> None:
+    records = [rank[f"dp_{schedule}"] for rank in pp2_tp2]
+    _check_against_one_process(records)
+    for record in records:
+        assert record["fsdp_root"], "parallelize_llama fully shards each stage over dp_shard"
+        # the gradient sync deferred to the last microbatch: one reduce-scatter per FSDP
+        # unit holding parameters per step (the first stage: the embeddings and 2 blocks;
+        # the last: 2 blocks, then the norm and the output together), not one per
+        # microbatch (MICROBATCHES times as many)
+        assert record["reduce_scatters"] == [3] * STEPS, record["reduce_scatters"]
 
 
 def test_pp2_tp2_sequence_parallel_activations_cross_stages(pp2_tp2: list[dict[str, Any]]) -> None:

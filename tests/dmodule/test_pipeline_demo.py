@@ -38,6 +38,14 @@ def test_demo_pipelined_two_ranks_passes_parity_and_splits_the_parameters(tmp_pa
             ["--pp", "2", "--schedule", "ZBVZeroBubble"],
             "needs 4 stages, more than --model.n_layers 2",
         ),
+        (
+            ["--pp", "2", "--dp-shard", "2", "--microbatches", "3"],
+            "--batch-size 8 / --dp-shard 2 must divide by --microbatches 3",
+        ),
+        (
+            ["--pp", "2", "--dp-shard", "2", "--dp-replicate", "2"],
+            "--dp-replicate does not compose with --pp yet",
+        ),
         (["--pp", "2", "--checkpoint-dir", "c"], "do not support --pp yet"),
         (["--pp", "0"], "--pp must be >= 1"),
         (["--pp", "2", "--schedule", "OneFOneB"], "invalid choice: 'OneFOneB'"),
@@ -50,6 +58,11 @@ def test_demo_refuses_pipeline_options_before_starting_ranks(
         parse_args(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_pipeline_composes_with_dp_shard() -> None:
+    options = parse_args(["--pp", "2", "--dp-shard", "2", "--tp", "1"])
+    assert (options.pp, options.dp_shard, options.world) == (2, 2, 4)
 
 
 def test_demo_pipeline_options_default_to_one_microbatch_per_stage() -> None:

@@ -244,10 +244,12 @@ def _pipeline_problems(args: argparse.Namespace, model: Llama.Config) -> list[st
         return []
     problems = []
     microbatches = args.microbatches or args.pp
-    if (args.batch_size // max(args.dp, 1)) % microbatches:
+    sharded = args.dp_shard > 1
+    data_parallel = args.dp_shard if sharded else max(args.dp, 1)
+    if (args.batch_size // data_parallel) % microbatches:
         problems.append(
-            f"--batch-size {args.batch_size} / --dp {args.dp} must divide by --microbatches "
-            f"{microbatches}"
+            f"--batch-size {args.batch_size} / --{'dp-shard' if sharded else 'dp'} "
+            f"{data_parallel} must divide by --microbatches {microbatches}"
         )
     stages = args.pp * _stages_per_rank(args.schedule)
     if model.n_layers < stages:
@@ -257,8 +259,8 @@ def _pipeline_problems(args: argparse.Namespace, model: Llama.Config) -> list[st
         )
     if args.checkpoint_dir or args.resume:
         problems.append("--checkpoint-dir and --resume do not support --pp yet")
-    if args.dp_shard > 1 or args.dp_replicate > 1:
-        problems.append("--dp-shard and --dp-replicate do not compose with --pp yet")
+    if args.dp_replicate > 1:
+        problems.append("--dp-replicate does not compose with --pp yet (--dp-shard does)")
     return problems
 
 
@@ -294,8 +296,15 @@ def train_pipelined(options: Options) -> RankReport | None:
     platform = get_platform()
     rank = platform.get_rank()
     device = platform.device_for(options.device)
+    # with --dp-shard each stage is fully sharded over it (parallelize_llama's apply_fsdp),
+    # which averages the gradients; plain --dp averages them here
+    fsdp = options.dp_shard > 1
+    data_axis = "dp_shard" if fsdp else "dp"
+    data_size = options.dp_shard if fsdp else options.dp
     mesh = init_device_mesh(
-        options.device, (options.pp, options.dp, options.tp), mesh_dim_names=("pp", "dp", "tp")
+        options.device,
+        (options.pp, data_size, options.tp),
+        mesh_dim_names=("pp", data_axis, "tp"),
     )
     with torch.device("meta"):
         model = options.model.build()
@@ -312,7 +321,7 @@ def train_pipelined(options: Options) -> RankReport | None:
         pipe.init_weights(buffer_device=device)
     params = [p for part in pipe.model_parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=options.lr, foreach=False)
-    dp_rank, local_batch = mesh.get_local_rank("dp"), options.batch_size // options.dp
+    dp_rank, local_batch = mesh.get_local_rank(data_axis), options.batch_size // data_size
     last_owner = stage_owner(pipe.num_stages - 1, options.pp, options.schedule)
     losses: list[float] = []
     seconds: list[float] = []
@@ -324,12 +333,13 @@ def train_pipelined(options: Options) -> RankReport | None:
         step_counts: Counter[str] = Counter()
         with count_collectives(step_counts, nbytes if step == 1 else Counter()):
             loss = pipe.step(tokens, target=targets)
-            for part in pipe.model_parts:
-                average_gradients(part, mesh, "dp")
+            if not fsdp:
+                for part in pipe.model_parts:
+                    average_gradients(part, mesh, "dp")
         optimizer.step()
         optimizer.zero_grad()
         mine = loss if loss is not None else torch.zeros((), device=device)
-        mine = collectives.all_reduce(mine.detach().reshape(1), mesh, "dp", "avg")
+        mine = collectives.all_reduce(mine.detach().reshape(1), mesh, data_axis, "avg")
         reported = collectives.broadcast(mine, mesh, "pp", last_owner)
         seconds.append(time.perf_counter() - start)
         losses.append(float(reported.item()))
@@ -342,7 +352,7 @@ def train_pipelined(options: Options) -> RankReport | None:
                 flush=True,
             )
     local_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params)
-    everyone = init_device_mesh(options.device, (options.pp * options.dp * options.tp,))
+    everyone = init_device_mesh(options.device, (options.pp * data_size * options.tp,))
     gathered = collectives.all_gather(torch.tensor([local_bytes], device=device), everyone, 0)
     if rank != 0:
         return None
@@ -566,11 +576,12 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
             f"{options.microbatches} microbatches; pipeline sends are torch's, not counted above):"
         )
         total = sum(result.param_bytes) / options.dp  # dp ranks hold copies
-        share = 1 / (options.pp * options.tp)
+        share = 1 / (options.pp * options.tp * options.dp_shard)
+        split = "pp x tp x dp_shard" if options.dp_shard > 1 else "pp x tp"
         for r, nbytes in enumerate(result.param_bytes):
             print(
                 f"  rank {r}: {nbytes / 1024:9.1f} KiB  ({nbytes / total:.3f} of the model; "
-                f"1 / (pp x tp) = {share:.3f})"
+                f"1 / ({split}) = {share:.3f})"
             )
     print("\nloss: parallel vs single process (same seed, same data)")
     if result.first_step > 1:

@@ -195,7 +195,7 @@ def load(
             own = _rank()
             saved = f"{key}.rng.rank{own}.torch" in metadata.state_dict_metadata
             value.rng_source_rank = own if saved else 0
-    problem = _mismatch(state, metadata, path)
+    problem = _mismatch(state, metadata, path, _device_type(state))
     if agree(problem is not None, _device_type(state)) and problem is None:
         raise ValueError(f"load: checkpoint {path} does not fit on another rank (see its error)")
     if problem is not None:
@@ -205,9 +205,13 @@ def load(
 
 
 def _mismatch(
-    state: dict[str, Any], metadata: Metadata, path: Path
+    state: dict[str, Any], metadata: Metadata, path: Path, device_type: str = "cpu"
 ) -> CheckpointMismatchError | None:
-    """What DCP would miss or mis-shape when loading ``metadata`` into ``state``."""
+    """What DCP would miss or mis-shape when loading ``metadata`` into ``state``.
+
+    Collective: a saved key is unexpected only when no rank's ``state`` holds it (a
+    pipeline stage holds only its own layers; the others hold the rest).
+    """
     resolved = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
     planner = DefaultLoadPlanner()
     planner.set_up_planner(resolved, metadata)
@@ -216,7 +220,9 @@ def _mismatch(
     missing = sorted(k for k in flat if k not in saved)
     # Per-rank RNG states of other ranks are expected to be left unread.
     checked = {k for k, v in state.items() if not isinstance(v, TrainingState)}
-    unexpected = sorted(k for k in saved if k not in flat and k.split(".", 1)[0] in checked)
+    candidates = sorted(k for k in saved if k.split(".", 1)[0] in checked)
+    held = _held_anywhere([k in flat for k in candidates], device_type)
+    unexpected = [k for k, anywhere in zip(candidates, held, strict=True) if not anywhere]
     mis_shaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for key, value in flat.items():
         md = saved.get(key)
@@ -229,6 +235,16 @@ def _mismatch(
     if missing or unexpected or mis_shaped:
         return CheckpointMismatchError(path, missing, unexpected, mis_shaped)
     return None
+
+
+def _held_anywhere(flags: list[bool], device_type: str) -> list[bool]:
+    """Element-wise: whether any rank's flag is set (every rank passes as many, same order)."""
+    platform = get_platform()
+    if not platform.is_initialized() or platform.get_world_size() == 1 or not flags:
+        return flags
+    mesh = _world_mesh(device_type, platform.get_world_size())
+    counts = torch.tensor(flags, dtype=torch.int32, device=platform.device_for(device_type))
+    return [bool(c) for c in collectives.all_reduce(counts, mesh, 0, "sum").tolist()]
 
 
 def _commit(partial: Path, final: Path, device_type: str) -> None:

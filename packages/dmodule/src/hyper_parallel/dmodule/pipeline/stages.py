@@ -6,6 +6,7 @@ schedules (GPipe, 1F1B, interleaved, zero bubble, DualPipeV) move the microbatch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from hyper_parallel.dmodule.pipeline.split import (
 from hyper_parallel.dmodule.sharding import resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, collectives
+from hyper_parallel.dtensor.fsdp import FSDPModule
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -412,8 +414,7 @@ def pipeline(
     layout = _activation_layout(cut.activation_layout(config), mesh, others, where=where)
 
     # -- build: nothing above allocated, communicated or changed the model ------------
-    from torch.distributed.pipelining import PipelineStage  # heavy import, only when used
-    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.pipelining.schedules import get_schedule_class  # heavy: when used
 
     me = mesh.get_local_rank(PP)
     local = [s for s in range(num_stages) if stage_owner(s, pp, schedule_name) == me]
@@ -432,7 +433,7 @@ def pipeline(
                 part.parallelize(stage_mesh)  # type: ignore[operator]
         module = _StageModule(part, plans[index], layout)
         modules.append(module)
-        stages.append(PipelineStage(module, index, num_stages, device, group=group))
+        stages.append(_stage_class()(module, index, num_stages, device, group=group))
     last = next((m for m in modules if m.plan.is_last), None)
 
     def stage_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -456,6 +457,32 @@ def pipeline(
         schedule=runner,
         device=device,
     )
+
+
+@functools.cache
+def _stage_class() -> type[PipelineStage]:
+    """torch's ``PipelineStage``, deferring hp ``fully_shard``'s gradient sync to the last backward.
+
+    torch defers it only for its own ``FSDPModule``; a part sharded by hp's would
+    reduce-scatter after every microbatch's backward. Here every backward but the one
+    the schedule marks last accumulates unreduced gradients
+    (``set_requires_gradient_sync(False)``), and the last reduces their sum once per
+    FSDP group: the same gradients, one reduce-scatter per group per step.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class _HpStage(PipelineStage):
+        def backward_maybe_with_nosync(
+            self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False
+        ) -> Any:
+            # the input half of a split backward computes no parameter gradient
+            sync = last_backward and backward_type != "input"
+            for module in self.submod.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_requires_gradient_sync(sync, recurse=False)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    return _HpStage
 
 
 def _schedule_name(schedule: object, *, where: str) -> str:
