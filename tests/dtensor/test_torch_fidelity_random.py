@@ -176,7 +176,7 @@ def _multinomial(side: Side) -> dict[str, Any]:
             dt = side.distribute(probs, _placements(side, kinds))
             torch.manual_seed(11)
             # column shards are not shard-local: hp takes its gather fallback there (README)
-            with hp.strict_mode(kinds[0] != "S1"), side.comm() as comm:
+            with hp.strict_mode(str(kinds[0]) != "S1"), side.comm() as comm:
                 got: Any = torch.multinomial(dt, 2, replacement=replacement)
             torch.manual_seed(11)
             want = torch.multinomial(probs, 2, replacement=replacement)
