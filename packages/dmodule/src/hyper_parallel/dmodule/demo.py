@@ -77,6 +77,8 @@ class Options:
     microbatches: int = 1
     dp_shard: int = 1
     dp_replicate: int = 1
+    plot: str = "out/loss_curve.png"
+    timeout: float = 300.0
 
     @property
     def world(self) -> int:
@@ -196,8 +198,6 @@ def parse_args(argv: Sequence[str]) -> Options:
     problems += _pipeline_problems(args, model)
     if problems:
         parser.error("; ".join(problems))
-    _PLOT_PATH[0] = args.plot
-    _TIMEOUT[0] = args.timeout
     return Options(
         model,
         args.tp,
@@ -216,6 +216,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         args.microbatches or args.pp,
         args.dp_shard,
         args.dp_replicate,
+        args.plot,
+        args.timeout,
     )
 
 
@@ -364,10 +366,6 @@ def train_pipelined(options: Options) -> RankReport | None:
         seconds,
         param_bytes=[int(b) for b in gathered.flatten().tolist()],
     )
-
-
-_PLOT_PATH = ["out/loss_curve.png"]
-_TIMEOUT = [300.0]
 
 
 @contextmanager
@@ -594,7 +592,7 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
         worst, worst_rel = max(worst, delta), max(worst_rel, delta / max(abs(ref), 1e-12))
         print(f"  {step:>4}  {par:10.6f}  {ref:10.6f}  {delta:9.2e}")
     plot = write_plot(
-        Path(_PLOT_PATH[0]),
+        Path(options.plot),
         result.history + result.losses,
         reference,
         options,
@@ -690,7 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             world,
             args=(options,),
             device_type=options.device,
-            timeout_s=_TIMEOUT[0],
+            timeout_s=options.timeout,
         )
     except DistributedRunError as error:
         print(f"\ndemo FAILED: {str(error).splitlines()[0]}", file=sys.stderr)
@@ -724,10 +722,10 @@ def _main_torchrun(options: Options, world: int, start: float) -> int:
         torch.set_num_threads(1)
     # The watchdog (--timeout) reports a stall, naming the ranks that did not arrive, and ends
     # this rank so that torchrun stops the others: before any collective's own timeout.
-    platform.init_process_group(options.device, timeout_s=_TIMEOUT[0] + PROCESS_GROUP_MARGIN_S)
+    platform.init_process_group(options.device, timeout_s=options.timeout + PROCESS_GROUP_MARGIN_S)
     try:
         try:
-            with stall_watchdog(_TIMEOUT[0]):
+            with stall_watchdog(options.timeout):
                 result = train_rank(options)
         except Exception as error:
             lost = lost_peer(error)
