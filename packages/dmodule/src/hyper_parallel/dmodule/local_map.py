@@ -54,14 +54,12 @@ def local_states(module: torch.nn.Module) -> Iterator[None]:
         with local_states(block):
             y = block.forward(x_local)   # block.weight is this rank's shard here
     """
-    swapped = dtensor_states(module)
+    slots = dtensor_states(module)
+    swap_in(slots, [value.to_local() for _, _, value in slots])
     try:
-        for states, name, value in swapped:
-            states[name] = value.to_local()
         yield
     finally:
-        for states, name, value in reversed(swapped):
-            states[name] = value
+        swap_back(slots)
 
 
 StateSlot: TypeAlias = tuple[dict[str, Any], str, DTensor]
