@@ -8,8 +8,6 @@ Example::
     model.init_states()                   # fills only the local shards
 """
 
-from typing import TYPE_CHECKING, Any
-
 from hyper_parallel.config import Configurable
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.base_model import BaseModel, ModelConfigConverter, ModuleProtocolError
@@ -21,7 +19,7 @@ from hyper_parallel.dmodule.model_spec import (
     register_spec,
     unregister_spec,
 )
-from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.module import Module, ModuleDict, ModuleList, Sequential
 from hyper_parallel.dmodule.planner import ShardingError, check_sharding, validate_sharding
 from hyper_parallel.dmodule.sharding import (
     LocalMapConfig,
@@ -30,9 +28,6 @@ from hyper_parallel.dmodule.sharding import (
     resolve_placements,
 )
 from hyper_parallel.dmodule.types import PLACEMENT_CODEC, MeshAxisName, NamedPlacement
-
-if TYPE_CHECKING:
-    from hyper_parallel.dmodule.containers import ModuleDict, ModuleList, Sequential
 
 __all__ = [
     "PLACEMENT_CODEC",
@@ -61,14 +56,3 @@ __all__ = [
     "unregister_spec",
     "validate_sharding",
 ]
-
-_LAZY = {"ModuleList", "ModuleDict", "Sequential"}
-
-
-def __getattr__(name: str) -> Any:
-    """Containers (``ModuleList``, ``ModuleDict``, ``Sequential``) are made on first use."""
-    if name in _LAZY:
-        from hyper_parallel.dmodule import containers
-
-        return getattr(containers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

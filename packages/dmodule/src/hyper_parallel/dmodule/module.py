@@ -25,7 +25,7 @@ from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
 from hyper_parallel.platform import get_platform
 
-__all__ = ["Module", "ParamInit", "distribute_state"]
+__all__ = ["Module", "ModuleDict", "ModuleList", "ParamInit", "Sequential", "distribute_state"]
 
 platform = get_platform()
 
@@ -403,15 +403,6 @@ class Module(_PlatformModule, Configurable):
         return new_cls
 
 
-def __getattr__(name: str) -> Any:
-    """``ModuleList``, ``ModuleDict`` and ``Sequential`` from here too, as upstream exports them."""
-    if name in ("ModuleList", "ModuleDict", "Sequential"):
-        from hyper_parallel.dmodule import containers
-
-        return getattr(containers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _reset_own_parameters(self: Any) -> None:
     self.reset_parameters()
 
@@ -610,3 +601,58 @@ def _no_own_config_message(cls: type, config_cls: type) -> str:
         f"`@dataclass(kw_only=True, slots=True) class Config({parent.__qualname__})` inside "
         f"{cls.__name__}"
     )
+
+
+# The platform's containers as Modules. They are written out as classes, not made by
+# from_nn_module, so that type checkers see each as both its nn container and a Module;
+# the class attributes below are the ones from_nn_module would set, and the registration
+# after them makes from_nn_module(nn.ModuleList) return these very classes.
+class ModuleList(torch.nn.ModuleList, Module):
+    """``torch.nn.ModuleList`` that is a :class:`Module`: ``init_states`` reaches its members.
+
+    Example::
+
+        >>> layers = ModuleList([Module.from_nn_module(torch.nn.Linear)(4, 4) for _ in range(2)])
+        >>> layers.init_states()
+        >>> len(layers)
+        2
+    """
+
+    _hp_wrapped_nn = torch.nn.ModuleList
+
+
+class ModuleDict(torch.nn.ModuleDict, Module):
+    """``torch.nn.ModuleDict`` that is a :class:`Module`: ``init_states`` reaches its members.
+
+    Example::
+
+        >>> heads = ModuleDict({"a": Module.from_nn_module(torch.nn.Linear)(4, 2)})
+        >>> heads.init_states()
+        >>> list(heads)
+        ['a']
+    """
+
+    _hp_wrapped_nn = torch.nn.ModuleDict
+
+
+class Sequential(torch.nn.Sequential, Module):
+    """``torch.nn.Sequential`` that is a :class:`Module`: ``init_states`` reaches its members.
+
+    Example::
+
+        >>> net = Sequential(Module.from_nn_module(torch.nn.Linear)(4, 2), torch.nn.ReLU())
+        >>> net.init_states()
+        >>> net(torch.ones(1, 4)).shape
+        torch.Size([1, 2])
+    """
+
+    _hp_wrapped_nn = torch.nn.Sequential
+
+
+_wrapped_classes.update(
+    {
+        torch.nn.ModuleList: ModuleList,
+        torch.nn.ModuleDict: ModuleDict,
+        torch.nn.Sequential: Sequential,
+    }
+)
