@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,13 @@ from hyper_parallel.dmodule.checkpoint import (
 )
 from hyper_parallel.dmodule.models.llama import Llama, apply_fsdp
 from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
-from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives, init_device_mesh
+from hyper_parallel.dtensor import (
+    DeviceMesh,
+    DTensor,
+    FallbackWarning,
+    collectives,
+    init_device_mesh,
+)
 from hyper_parallel.platform import get_platform
 
 __all__ = ["RELATIVE_TOLERANCE", "main"]
@@ -113,6 +120,47 @@ def parse_args(argv: Sequence[str]) -> Options:
         >>> parse_args(["--tp", "2", "--model.dim=32"]).model.dim
         32
     """
+    parser = _parser()
+    try:
+        overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
+    except ConfigError as error:  # e.g. `--model.dim` as the last argument: a usage error
+        parser.error(error.message)
+    args = parser.parse_args(rest)
+    try:
+        model = DemoJob.Config().apply_overrides(overrides).model
+    except ConfigError as error:
+        parser.error(f"--{error}")
+    problems = [
+        *_size_problems(args, model),
+        *_checkpoint_problems(args),
+        *_pipeline_problems(args, model),
+    ]
+    if problems:
+        parser.error("; ".join(problems))
+    return Options(
+        model,
+        args.tp,
+        args.dp,
+        args.steps,
+        args.batch_size,
+        args.seq_len,
+        args.lr,
+        args.seed,
+        args.device,
+        args.checkpoint_dir,
+        args.checkpoint_every,
+        args.resume,
+        args.pp,
+        args.schedule,
+        args.microbatches or args.pp,
+        args.dp_shard,
+        args.dp_replicate,
+        args.plot,
+        args.timeout,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.dmodule.demo",
         description="Train the llama-ref model tensor parallel on local processes and check "
@@ -150,16 +198,12 @@ def parse_args(argv: Sequence[str]) -> Options:
         help="continue from the latest checkpoint in --checkpoint-dir (any --tp/--dp)",
     )
     _add_pipeline_arguments(parser)
-    try:
-        overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
-    except ConfigError as error:  # e.g. `--model.dim` as the last argument: a usage error
-        parser.error(error.message)
-    args = parser.parse_args(rest)
-    try:
-        model = DemoJob.Config().apply_overrides(overrides).model
-    except ConfigError as error:
-        parser.error(f"--{error}")
-    problems = []
+    return parser
+
+
+def _size_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
+    """What is wrong with the parallel sizes, the batch and the sequence length."""
+    problems: list[str] = []
     if args.tp < 1 or args.dp < 1 or args.steps < 1:
         problems.append(
             f"--tp, --dp and --steps must be >= 1 (found {args.tp}, {args.dp}, {args.steps})"
@@ -183,6 +227,12 @@ def parse_args(argv: Sequence[str]) -> Options:
             )
     if args.seq_len > model.max_seq_len:
         problems.append(f"--seq-len {args.seq_len} exceeds --model.max_seq_len {model.max_seq_len}")
+    return problems
+
+
+def _checkpoint_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with ``--checkpoint-every`` and ``--resume``."""
+    problems: list[str] = []
     if args.checkpoint_every < 0:
         problems.append(f"--checkpoint-every must be >= 0 (found {args.checkpoint_every})")
     if args.resume:
@@ -195,30 +245,7 @@ def parse_args(argv: Sequence[str]) -> Options:
             problems.append(
                 f"--resume: the latest checkpoint is step {found}; --steps {args.steps}"
             )
-    problems += _pipeline_problems(args, model)
-    if problems:
-        parser.error("; ".join(problems))
-    return Options(
-        model,
-        args.tp,
-        args.dp,
-        args.steps,
-        args.batch_size,
-        args.seq_len,
-        args.lr,
-        args.seed,
-        args.device,
-        args.checkpoint_dir,
-        args.checkpoint_every,
-        args.resume,
-        args.pp,
-        args.schedule,
-        args.microbatches or args.pp,
-        args.dp_shard,
-        args.dp_replicate,
-        args.plot,
-        args.timeout,
-    )
+    return problems
 
 
 def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -348,11 +375,7 @@ def train_pipelined(options: Options) -> RankReport | None:
         if step == 1:
             counts = step_counts
         if rank == 0:
-            print(
-                f"  [rank 0] step {step:3d}/{options.steps}  loss {losses[-1]:.6f}  "
-                f"{seconds[-1] * 1000:7.1f} ms",
-                flush=True,
-            )
+            _print_step(step, options.steps, losses[-1], seconds[-1])
     local_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params)
     everyone = init_device_mesh(options.device, (options.pp * data_size * options.tp,))
     gathered = collectives.all_gather(torch.tensor([local_bytes], device=device), everyone, 0)
@@ -399,38 +422,15 @@ def train_rank(options: Options) -> RankReport | None:
     else:
         dp_axes, shape = ("dp",), (options.dp, options.tp)
     mesh = init_device_mesh(options.device, shape, mesh_dim_names=(*dp_axes, "tp"))
-    with torch.device("meta"):
-        model = options.model.build()
-    model.parallelize(mesh["tp"])
-    if fsdp:
-        apply_fsdp(model, mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(options.seed)
-    with warnings.catch_warnings():
-        # Random init fills full tensors and keeps this rank's slice, by design (the values
-        # match a one-process init); only fallbacks during training are worth a warning.
-        warnings.simplefilter("ignore", FallbackWarning)
-        model.init_weights(buffer_device=device)
+    model = _built_model(options, mesh, fsdp, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, foreach=False)
     train = TrainingState(device=device)
     app = {"app": ModelState(model, optimizer), "train": train}
     if options.resume:
-        assert options.checkpoint_dir is not None  # parse_args checked
-        loaded = load(app, options.checkpoint_dir)  # resharded onto this run's mesh
-        if rank == 0:
-            print(
-                f"  [rank 0] resumed from {step_path(options.checkpoint_dir, loaded)} "
-                f"onto tp={options.tp} dp={options.dp}",
-                flush=True,
-            )
+        _resume(app, options, rank)
     history: list[float] = list(train.extra.get("losses", []))
     first_step = train.step + 1
-    dp_rank, dp_size = 0, 1
-    for axis in dp_axes:  # row-major over the data-parallel axes
-        dp_rank, dp_size = (
-            dp_rank * mesh.size(axis) + mesh.get_local_rank(axis),
-            dp_size * mesh.size(axis),
-        )
+    dp_rank, dp_size = _data_parallel_rank(mesh, dp_axes)
     local_batch = options.batch_size // dp_size
     state_bytes = (0, 0)
     losses: list[float] = []
@@ -443,7 +443,7 @@ def train_rank(options: Options) -> RankReport | None:
         step_counts: Counter[str] = Counter()
         with count_collectives(step_counts, nbytes if step == first_step else Counter()):
             loss = model.loss(tokens, targets)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             if not fsdp:
                 average_gradients(model, mesh, "dp")
         optimizer.step()
@@ -456,14 +456,10 @@ def train_rank(options: Options) -> RankReport | None:
         if step == first_step:
             counts = step_counts
         if rank == 0:
-            print(
-                f"  [rank 0] step {step:3d}/{options.steps}  loss {losses[-1]:.6f}  "
-                f"{seconds[-1] * 1000:7.1f} ms",
-                flush=True,
-            )
+            _print_step(step, options.steps, losses[-1], seconds[-1])
         train.step = train.data_position = step  # the data of step s is synthetic_batch(s)
-        every = options.checkpoint_every
-        if options.checkpoint_dir and (step == options.steps or (every and step % every == 0)):
+        if _checkpoint_due(options, step):
+            assert options.checkpoint_dir is not None  # _checkpoint_due checked
             train.extra["losses"] = history + losses
             path = save(app, options.checkpoint_dir, step=step)
             if rank == 0:
@@ -478,6 +474,59 @@ def train_rank(options: Options) -> RankReport | None:
         first_step,
         history,
         state_bytes=state_bytes,
+    )
+
+
+def _built_model(options: Options, mesh: DeviceMesh, fsdp: bool, device: torch.device) -> Llama:
+    """llama-ref built on meta, tensor parallel (then fully sharded), given memory, initialised."""
+    with torch.device("meta"):
+        model: Llama = options.model.build()
+    model.parallelize(mesh["tp"])
+    if fsdp:
+        apply_fsdp(model, mesh)
+    model.to_empty(device=device)
+    torch.manual_seed(options.seed)
+    with warnings.catch_warnings():
+        # Random init fills full tensors and keeps this rank's slice, by design (the values
+        # match a one-process init); only fallbacks during training are worth a warning.
+        warnings.simplefilter("ignore", FallbackWarning)
+        model.init_weights(buffer_device=device)
+    return model
+
+
+def _resume(app: dict[str, Any], options: Options, rank: int) -> None:
+    assert options.checkpoint_dir is not None  # parse_args checked
+    loaded = load(app, options.checkpoint_dir)  # resharded onto this run's mesh
+    if rank == 0:
+        print(
+            f"  [rank 0] resumed from {step_path(options.checkpoint_dir, loaded)} "
+            f"onto tp={options.tp} dp={options.dp}",
+            flush=True,
+        )
+
+
+def _data_parallel_rank(mesh: DeviceMesh, dp_axes: tuple[str, ...]) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks, and their number."""
+    dp_rank, dp_size = 0, 1
+    for axis in dp_axes:  # row-major over the data-parallel axes
+        dp_rank, dp_size = (
+            dp_rank * mesh.size(axis) + mesh.get_local_rank(axis),
+            dp_size * mesh.size(axis),
+        )
+    return dp_rank, dp_size
+
+
+def _checkpoint_due(options: Options, step: int) -> bool:
+    """Save after ``step``: every ``--checkpoint-every`` steps and after the last."""
+    every = options.checkpoint_every
+    return bool(options.checkpoint_dir) and (
+        step == options.steps or bool(every and step % every == 0)
+    )
+
+
+def _print_step(step: int, steps: int, loss: float, seconds: float) -> None:
+    print(
+        f"  [rank 0] step {step:3d}/{steps}  loss {loss:.6f}  {seconds * 1000:7.1f} ms", flush=True
     )
 
 

@@ -27,6 +27,7 @@ from hyper_parallel.platform import get_platform
 
 __all__ = ["Module", "ModuleDict", "ModuleList", "ParamInit", "Sequential", "distribute_state"]
 
+# At import on purpose: Module's base class is the platform's Module, needed to define it.
 platform = get_platform()
 
 if TYPE_CHECKING:

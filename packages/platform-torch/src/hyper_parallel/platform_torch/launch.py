@@ -137,43 +137,12 @@ def run_distributed(
         >>> run_distributed(rank_squared, 3)  # doctest: +SKIP
         [0, 1, 4]
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
-    if timeout_s <= 0:
-        raise ValueError(f"run_distributed: timeout_s must be > 0, got {timeout_s}")
-    backend_for(device_type)
-    try:
-        payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    except Exception as error:
-        raise TypeError(
-            f"run_distributed: fn and its arguments must be picklable (define fn at module "
-            f"level); pickling {_describe(fn)} failed: {error}"
-        ) from error
-
-    context: ForkServerContext | SpawnContext
-    if start_method == "forkserver":
-        context = multiprocessing.get_context("forkserver")
-        # Only takes effect when this process's forkserver is first started.
-        context.set_forkserver_preload([*_PRELOAD, *preload])
-    else:
-        context = multiprocessing.get_context("spawn")
+    payload = _checked_payload(fn, world_size, timeout_s, device_type, args, kwargs)
+    context = _context(start_method, preload)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
     )
-    # torch's barrier after each process group's creation (off by default since torch 2.1):
-    # without it a rank whose fn needs no collective can finish and close its sockets while a
-    # slower peer is still inside gloo's connectFullMesh, which then fails with "Connection
-    # closed by peer" (seen under load); with it no rank leaves init_process_group or
-    # new_group before every member has connected. Set to "0" in env to opt out.
-    base_env = {INIT_BARRIER_VAR: "1", **os.environ, **(env or {})}
-    base_env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        # The rendezvous store is the one this process hosts: every rank is a client.
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    base_env = _ranks_environment(store.port, world_size, env)
     processes: list[BaseProcess] = []
     readers: list[Connection] = []
     keep_alive: list[Connection] = []
@@ -181,25 +150,10 @@ def run_distributed(
     stacks: dict[int, RankStack] = {}
     try:
         for rank in range(world_size):
-            reader, writer = context.Pipe(duplex=False)
-            alive_reader, alive_writer = context.Pipe(duplex=False)
             rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            process: BaseProcess = context.Process(
-                target=_run_rank,
-                args=(
-                    payload,
-                    rank_env,
-                    device_type,
-                    timeout_s,
-                    writer,
-                    alive_reader,
-                    stack_dir.name,
-                ),
-                name=f"hyper-parallel-rank-{rank}",
+            process, reader, alive_writer = _start_rank(
+                context, rank, (payload, rank_env, device_type, timeout_s), stack_dir.name
             )
-            process.start()
-            writer.close()
-            alive_reader.close()
             processes.append(process)
             readers.append(reader)
             keep_alive.append(alive_writer)
@@ -226,6 +180,82 @@ def run_distributed(
             not_arrived=not_arrived,
         )
     return [results[rank] for rank in range(world_size)]
+
+
+def _checked_payload(
+    fn: Callable[..., object],
+    world_size: object,
+    timeout_s: float,
+    device_type: str,
+    args: Sequence[object],
+    kwargs: Mapping[str, object] | None,
+) -> bytes:
+    """The pickled call, after checking the arguments (nothing has been started yet)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"run_distributed: timeout_s must be > 0, got {timeout_s}")
+    backend_for(device_type)
+    try:
+        return pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as error:
+        raise TypeError(
+            f"run_distributed: fn and its arguments must be picklable (define fn at module "
+            f"level); pickling {_describe(fn)} failed: {error}"
+        ) from error
+
+
+def _context(start_method: StartMethod, preload: Sequence[str]) -> ForkServerContext | SpawnContext:
+    if start_method != "forkserver":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # Only takes effect when this process's forkserver is first started.
+    context.set_forkserver_preload([*_PRELOAD, *preload])
+    return context
+
+
+def _ranks_environment(port: int, world_size: int, env: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment every rank shares (``RANK``/``LOCAL_RANK`` are added per rank)."""
+    # torch's barrier after each process group's creation (off by default since torch 2.1):
+    # without it a rank whose fn needs no collective can finish and close its sockets while a
+    # slower peer is still inside gloo's connectFullMesh, which then fails with "Connection
+    # closed by peer" (seen under load); with it no rank leaves init_process_group or
+    # new_group before every member has connected. Set to "0" in env to opt out.
+    base_env = {INIT_BARRIER_VAR: "1", **os.environ, **(env or {})}
+    base_env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        # The rendezvous store is the one this process hosts: every rank is a client.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    return base_env
+
+
+def _start_rank(
+    context: ForkServerContext | SpawnContext,
+    rank: int,
+    job: tuple[bytes, dict[str, str], str, float],
+    stack_dir: str,
+) -> tuple[BaseProcess, Connection, Connection]:
+    """Start one rank's process on ``job`` (payload, env, device type, timeout).
+
+    Returns the process, the end its report arrives on, and the end whose closing tells
+    it that this process is gone.
+    """
+    payload, rank_env, device_type, timeout_s = job
+    reader, writer = context.Pipe(duplex=False)
+    alive_reader, alive_writer = context.Pipe(duplex=False)
+    process: BaseProcess = context.Process(
+        target=_run_rank,
+        args=(payload, rank_env, device_type, timeout_s, writer, alive_reader, stack_dir),
+        name=f"hyper-parallel-rank-{rank}",
+    )
+    process.start()
+    writer.close()
+    alive_reader.close()
+    return process, reader, alive_writer
 
 
 def _collect(
