@@ -51,13 +51,19 @@ PRESETS: dict[str, Module.Config] = {
     "attention.local_map": Attention.Config.tensor_parallel(local_map=True, dim=16, n_heads=4),
     "feed_forward.sp": FeedForward.Config.tensor_parallel(sequence_parallel=True, dim=8),
     **{
-        f"llama_block.{variant}": TransformerBlock.Config.llama(
-            dim=16, n_heads=4, n_kv_heads=2, ffn_dim=32, max_seq_len=8, **flags
-        )
-        for variant, flags in {
-            "default": {},
-            "local_map": {"local_map": True},
-            "sequence_parallel": {"sequence_parallel": True},
+        f"llama_block.{variant}": Llama.Config(
+            dim=16,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=32,
+            max_seq_len=8,
+            use_local_map=local_map,
+            sequence_parallel=sp,
+        ).block()
+        for variant, (local_map, sp) in {
+            "default": (False, False),
+            "local_map": (True, False),
+            "sequence_parallel": (False, True),
         }.items()
     },
     "llama": Llama.Config(use_local_map=True),

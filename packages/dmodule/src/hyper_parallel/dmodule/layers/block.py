@@ -17,11 +17,16 @@ __all__ = ["TransformerBlock"]
 class TransformerBlock(Module):
     """``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
-    The block declares no sharding of its own: its parts do.
+    The block declares no sharding of its own: its parts do (llama-ref's are chosen in
+    ``models/llama_sharding.py``).
 
     Example::
 
-        >>> cfg = TransformerBlock.Config.llama(dim=16, n_heads=4, ffn_dim=32, max_seq_len=8)
+        >>> from hyper_parallel.dmodule.layers import Attention, FeedForward, RMSNorm
+        >>> cfg = TransformerBlock.Config(
+        ...     attention=Attention.Config(dim=16, n_heads=4, max_seq_len=8),
+        ...     feed_forward=FeedForward.Config(dim=16, hidden_dim=32),
+        ...     attention_norm=RMSNorm.Config(dim=16), ffn_norm=RMSNorm.Config(dim=16))
         >>> block = cfg.build()
         >>> block.init_states()
         >>> block(torch.randn(2, 8, 16)).shape
@@ -42,56 +47,6 @@ class TransformerBlock(Module):
         feed_forward: FeedForward.Config = FeedForward.Config()  # noqa: RUF009 - copied per instance
         attention_norm: RMSNorm.Config = RMSNorm.Config()  # noqa: RUF009 - copied per instance
         ffn_norm: RMSNorm.Config = RMSNorm.Config()  # noqa: RUF009 - copied per instance
-
-        @classmethod
-        def llama(
-            cls,
-            *,
-            dim: int,
-            n_heads: int,
-            ffn_dim: int,
-            max_seq_len: int,
-            n_kv_heads: int | None = None,
-            norm_eps: float = 1e-6,
-            rope_theta: float = 10000.0,
-            use_rope: bool = True,
-            local_map: bool = False,
-            sequence_parallel: bool = False,
-        ) -> TransformerBlock.Config:
-            """A Llama block, tensor parallel over ``tp`` (``local_map``/``sequence_parallel`` variants).
-
-            Example::
-
-                >>> TransformerBlock.Config.llama(dim=16, n_heads=4, ffn_dim=32,
-                ...                               max_seq_len=8).feed_forward.hidden_dim
-                32
-            """
-            if sequence_parallel:
-                norm = RMSNorm.Config.sequence_parallel(dim, eps=norm_eps)
-            elif local_map:
-                norm = RMSNorm.Config.local_map(dim, eps=norm_eps)
-            else:
-                norm = RMSNorm.Config(dim=dim, eps=norm_eps)
-            return cls(
-                attention=Attention.Config.tensor_parallel(
-                    local_map=local_map,
-                    sequence_parallel=sequence_parallel,
-                    dim=dim,
-                    n_heads=n_heads,
-                    n_kv_heads=n_kv_heads,
-                    max_seq_len=max_seq_len,
-                    rope_theta=rope_theta,
-                    use_rope=use_rope,
-                ),
-                feed_forward=FeedForward.Config.tensor_parallel(
-                    local_map=local_map,
-                    sequence_parallel=sequence_parallel,
-                    dim=dim,
-                    hidden_dim=ffn_dim,
-                ),
-                attention_norm=norm,
-                ffn_norm=norm.replace(),
-            )
 
     def __init__(self, config: TransformerBlock.Config) -> None:
         super().__init__()

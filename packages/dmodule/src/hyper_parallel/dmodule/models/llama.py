@@ -1,4 +1,4 @@
-"""The reference Llama-style decoder, tensor parallel over ``tp`` as its layers' Configs declare.
+"""The reference Llama-style decoder; its parallelism plan is ``llama_sharding.py``.
 
 Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelSpec`
 ``"llama-ref"`` (flavors ``"debug"``, ``"small"``).
@@ -15,26 +15,24 @@ import torch
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
-from hyper_parallel.dmodule._forward import compile_local_maps
-from hyper_parallel.dmodule.activation_checkpoint import (
-    apply_activation_checkpointing,
-    checkpoint_mode,
-)
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
-from hyper_parallel.dmodule.layers import (
-    Embedding,
-    Linear,
-    RMSNorm,
-    TransformerBlock,
-    cross_entropy,
-)
+from hyper_parallel.dmodule.layers import TransformerBlock, cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
 from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
+from hyper_parallel.dmodule.models.llama_sharding import (
+    apply_compile,
+    apply_fsdp,
+    apply_tp,
+    block_config,
+    embedding_config,
+    norm_config,
+    output_config,
+    parallelize_llama,
+)
 from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
-from hyper_parallel.dtensor.fsdp import fully_shard
 
 __all__ = [
     "LLAMA_PIPELINE_SPLIT",
@@ -49,11 +47,11 @@ __all__ = [
 class Llama(BaseModel):
     """Token embedding → ``n_layers`` x :class:`TransformerBlock` → RMSNorm → output projection.
 
-    Tensor-parallel plan (all declared in the layers' Configs, over mesh axis ``tp``):
-    vocab-parallel embedding; per block, column-parallel ``wq/wk/wv/w1/w3`` and
-    row-parallel ``wo/w2`` (heads and hidden units sharded); replicated norms; a
-    column-parallel output whose logits stay sharded by vocab into the loss-parallel
-    :func:`~hyper_parallel.dmodule.layers.cross_entropy`. ``use_local_map`` runs
+    Its parallelism plan is :mod:`~hyper_parallel.dmodule.models.llama_sharding`, one
+    file (over mesh axis ``tp``): vocab-parallel embedding; per block, column-parallel
+    ``wq/wk/wv/w1/w3`` and row-parallel ``wo/w2`` (heads and hidden units sharded);
+    replicated norms; a column-parallel output whose logits stay sharded by vocab into
+    the loss-parallel :func:`~hyper_parallel.dmodule.layers.cross_entropy`. ``use_local_map`` runs
     attention and feed-forward on local tensors (``compile_local_map`` compiles their
     local math with ``torch.compile``); ``sequence_parallel`` keeps the
     residual stream split along the sequence between blocks.
@@ -151,25 +149,14 @@ class Llama(BaseModel):
             return llama_config_from_hf(cls, directory)
 
         def block(self) -> TransformerBlock.Config:
-            """The Config of every block.
+            """The Config of every block (:func:`~.llama_sharding.block_config`).
 
             Example::
 
                 >>> Llama.Config(n_heads=8).block().attention.n_heads
                 8
             """
-            return TransformerBlock.Config.llama(
-                dim=self.dim,
-                n_heads=self.n_heads,
-                n_kv_heads=self.n_kv_heads,
-                ffn_dim=self.ffn_dim,
-                max_seq_len=self.max_seq_len,
-                norm_eps=self.norm_eps,
-                rope_theta=self.rope_theta,
-                use_rope=self.use_rope,
-                local_map=self.use_local_map,
-                sequence_parallel=self.sequence_parallel,
-            )
+            return block_config(self)
 
         def get_nparams_and_flops(self, model: torch.nn.Module, seq_len: int) -> tuple[int, float]:
             """Parameters and training FLOPs per token, attention's sequence term included.
@@ -187,26 +174,12 @@ class Llama(BaseModel):
     def __init__(self, config: Llama.Config) -> None:
         super().__init__()
         self.config = config
-        sp = config.sequence_parallel
-        if config.vocab_parallel:
-            embedding = Embedding.Config.vocab_parallel(
-                config.vocab_size, config.dim, sequence_parallel=sp
-            )
-            output = Linear.Config.colwise(config.dim, config.vocab_size, sequence_parallel=sp)
-        else:
-            embedding = Embedding.Config.replicated(config.vocab_size, config.dim)
-            output = Linear.Config.replicated(config.dim, config.vocab_size)
-        self.tok_embeddings = embedding.build()
+        # each part's Config, its sharding included, comes from the plan in llama_sharding.py
+        self.tok_embeddings = embedding_config(config).build()
         block = config.block()
         self.layers = ModuleList([block.build() for _ in range(config.n_layers)])
-        if sp:
-            norm = RMSNorm.Config.sequence_parallel(config.dim, eps=config.norm_eps)
-        elif config.use_local_map:
-            norm = RMSNorm.Config.local_map(config.dim, eps=config.norm_eps)
-        else:
-            norm = RMSNorm.Config(dim=config.dim, eps=config.norm_eps)
-        self.norm = norm.build()
-        self.output = output.build()
+        self.norm = norm_config(config).build()
+        self.output = output_config(config).build()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of integer ``tokens`` ``(batch, seq)``.
@@ -229,27 +202,19 @@ class Llama(BaseModel):
         return cross_entropy(self(tokens), targets)
 
     def parallelize(self, mesh: DeviceMesh) -> Llama:
-        """Check the head counts divide by the ``tp`` size, then shard (see :meth:`Module.parallelize`).
+        """Tensor parallel over ``mesh`` (:func:`~.llama_sharding.apply_tp`), then compile.
+
+        The head counts must divide by the ``tp`` size; the ``local_map`` blocks are
+        compiled when ``compile_local_map`` is set (:func:`~.llama_sharding.apply_compile`).
+        :func:`parallelize_llama` adds activation checkpointing and FSDP.
 
         Example::
 
             model = Llama.Config().build().parallelize(init_device_mesh("cpu", (2,),
                                                                        mesh_dim_names=("tp",)))
         """
-        names = tuple(mesh.mesh_dim_names or ())
-        tp_name = axis_name(MeshAxisName.TP)
-        if tp_name in names:
-            tp = mesh.size(names.index(tp_name))
-            cfg = self.config
-            n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
-            if cfg.n_heads % tp or n_kv % tp:
-                raise ValueError(
-                    f"Llama.parallelize: n_heads ({cfg.n_heads}) and n_kv_heads ({n_kv}) must "
-                    f"divide by the size of mesh axis 'tp' ({tp})"
-                )
-        super().parallelize(mesh)
-        if self.config.compile_local_map:
-            compile_local_maps(self)
+        apply_tp(self, mesh)
+        apply_compile(self)
         return self
 
 
@@ -266,59 +231,6 @@ def _flavors() -> dict[str, Any]:
             max_seq_len=256,
         ),
     }
-
-
-#: The reference model's spec: ``get_spec("llama-ref").config("debug").build()``.
-def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
-    """The spec's ``parallelize_fn``: TP, activation checkpointing, then FSDP (TorchTitan's order).
-
-    The Configs' layouts over ``mesh["tp"]``; then activation checkpointing of every block
-    when ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
-    ``"selective"``; then, on a mesh with a ``dp_shard`` axis (and ``dp_replicate``), fully
-    sharded data parallelism over it (:func:`apply_fsdp`).
-
-    Example::
-
-        model = parallelize_llama(Llama.Config().build(), mesh)
-        model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
-    """
-    names = tuple(mesh.mesh_dim_names or ())
-    tp_name = axis_name(MeshAxisName.TP)
-    ac_mode = checkpoint_mode(job_config)  # checked before anything changes
-    if tp_name in names:
-        model.parallelize(mesh[tp_name] if len(names) > 1 else mesh)
-    elif axis_name(MeshAxisName.DP_SHARD) not in names:
-        model.parallelize(mesh)
-    # TorchTitan's order: TP, activation checkpointing, then FSDP (whose hooks stay outside
-    # the checkpointed forward, so the recompute does not unshard twice)
-    apply_activation_checkpointing(model.layers, mode=ac_mode)
-    apply_fsdp(model, mesh)
-    return model
-
-
-def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
-    """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
-
-    The units are TorchTitan's: the embeddings, each block, the final norm and the output
-    together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
-
-    Example::
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-        model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
-    """
-    names = tuple(mesh.mesh_dim_names or ())
-    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
-    if shard not in names:
-        return model
-    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-    dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
-    fully_shard(model.tok_embeddings, mesh=dp_mesh)
-    for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard([model.norm, model.output], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return model
 
 
 def _llama_activation(config: Llama.Config) -> NamedPlacement:
@@ -358,6 +270,7 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) ->
     return pipeline(model, mesh, loss_fn=cross_entropy, **options)
 
 
+#: The reference model's spec: ``get_spec("llama-ref").config("debug").build()``.
 LLAMA_SPEC = ModelSpec(
     name="llama-ref",
     model=Llama.Config(),
@@ -368,4 +281,5 @@ LLAMA_SPEC = ModelSpec(
     description="Reference Llama-style decoder (GQA, RoPE, SwiGLU), tensor parallel over 'tp'.",
     pipeline_split=LLAMA_PIPELINE_SPLIT,
 )
+# At import on purpose: upstream's users call get_spec("llama-ref") after importing this module.
 register_spec(LLAMA_SPEC)

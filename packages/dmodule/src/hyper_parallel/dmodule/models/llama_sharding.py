@@ -1,0 +1,275 @@
+"""llama-ref's parallelism plan, in one place and in the order it is applied.
+
+Tensor parallelism over the mesh axis ``tp``, part by part in the order a step meets
+them (SP: ``sequence_parallel``; LM: ``use_local_map``):
+
+- ``tok_embeddings``: weight ``Shard(0)`` (a slice of the vocabulary per rank); tokens
+  ``Replicate`` in, the partial rows all-reduced to ``Replicate`` out (SP: reduce-scattered
+  to sequence shards ``Shard(1)``).
+- ``attention_norm``, ``ffn_norm`` and the final ``norm``: weight ``Replicate``; the
+  activations stay as they arrive, ``Replicate`` (SP: ``Shard(1)``; the norm is per token,
+  so no collective); LM: run on the local tensors.
+- ``attention``: heads split, ``wq/wk/wv`` ``Shard(0)`` (column) and ``wo`` ``Shard(1)``
+  (row), the RoPE tables ``Replicate``; x all-gathered to ``Replicate`` (from ``Shard(1)``
+  with SP), ``wo``'s partial sums all-reduced to ``Replicate`` (SP: reduce-scattered to
+  ``Shard(1)``). LM: the local heads on local tensors, the output declared ``Partial``
+  and so is the gradient of x.
+- ``feed_forward``: hidden units split, ``w1/w3`` ``Shard(0)`` and ``w2`` ``Shard(1)``;
+  its boundaries are attention's.
+- ``output``: weight ``Shard(0)`` (vocabulary); x ``Replicate`` (all-gathered with SP);
+  the logits stay ``Shard(-1)`` into the loss-parallel ``cross_entropy``.
+
+With ``vocab_parallel=False`` the embedding and the output hold their whole weights
+(``Replicate``) and the logits are replicated. The projections' own layouts are those
+of :class:`~hyper_parallel.dmodule.layers.Attention` and ``FeedForward`` (column then
+row parallel is what those layers are); everything else is chosen below.
+
+:func:`parallelize_llama` then composes the rest as plain calls, TorchTitan's order:
+tensor parallelism (:func:`apply_tp`), activation checkpointing, compile
+(:func:`apply_compile`), fully sharded data parallelism (:func:`apply_fsdp`).
+
+Example::
+
+    >>> from hyper_parallel.dmodule.models.llama import Llama
+    >>> block_config(Llama.Config(sequence_parallel=True)).ffn_norm.sharding_config.out_dst_shardings
+    {MeshAxisName.TP: Shard(dim=1)}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hyper_parallel.dmodule._forward import compile_local_maps
+from hyper_parallel.dmodule.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpoint_mode,
+)
+from hyper_parallel.dmodule.layers import (
+    Attention,
+    Embedding,
+    FeedForward,
+    Linear,
+    RMSNorm,
+    TransformerBlock,
+)
+from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.types import MeshAxisName, axis_name
+from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dtensor.fsdp import fully_shard
+
+if TYPE_CHECKING:  # annotations only: llama.py imports this file to build its parts
+    from hyper_parallel.dmodule.models.llama import Llama
+
+__all__ = [
+    "apply_compile",
+    "apply_fsdp",
+    "apply_tp",
+    "attention_config",
+    "block_config",
+    "embedding_config",
+    "feed_forward_config",
+    "norm_config",
+    "output_config",
+    "parallelize_llama",
+]
+
+
+# -- tensor parallelism: each part's Config, top of the model to its bottom ------------------
+def embedding_config(config: Llama.Config) -> Embedding.Config:
+    """``tok_embeddings``: vocab parallel (or replicated with ``vocab_parallel=False``).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> embedding_config(Llama.Config()).sharding_config.state_shardings
+        {'weight': {MeshAxisName.TP: Shard(dim=0)}}
+    """
+    if not config.vocab_parallel:
+        return Embedding.Config.replicated(config.vocab_size, config.dim)
+    return Embedding.Config.vocab_parallel(
+        config.vocab_size, config.dim, sequence_parallel=config.sequence_parallel
+    )
+
+
+def norm_config(config: Llama.Config) -> RMSNorm.Config:
+    """Every RMSNorm of the model (both of each block's and the final one): weight replicated.
+
+    With sequence parallelism the activations stay sequence shards (the norm is per
+    token: no collective); with ``use_local_map`` it runs on the local replicated tensors.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> norm_config(Llama.Config(use_local_map=True)).sharding_config.local_map is not None
+        True
+    """
+    if config.sequence_parallel:
+        return RMSNorm.Config.sequence_parallel(config.dim, eps=config.norm_eps)
+    if config.use_local_map:
+        return RMSNorm.Config.local_map(config.dim, eps=config.norm_eps)
+    return RMSNorm.Config(dim=config.dim, eps=config.norm_eps)
+
+
+def attention_config(config: Llama.Config) -> Attention.Config:
+    """Attention, heads split over ``tp``: x in replicated, the partial sums out reduced.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> attention_config(Llama.Config(n_heads=8)).n_heads
+        8
+    """
+    return Attention.Config.tensor_parallel(
+        local_map=config.use_local_map,
+        sequence_parallel=config.sequence_parallel,
+        dim=config.dim,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        max_seq_len=config.max_seq_len,
+        rope_theta=config.rope_theta,
+        use_rope=config.use_rope,
+    )
+
+
+def feed_forward_config(config: Llama.Config) -> FeedForward.Config:
+    """SwiGLU feed-forward, hidden units split over ``tp``: the boundaries of attention.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> feed_forward_config(Llama.Config(ffn_dim=96)).hidden_dim
+        96
+    """
+    return FeedForward.Config.tensor_parallel(
+        local_map=config.use_local_map,
+        sequence_parallel=config.sequence_parallel,
+        dim=config.dim,
+        hidden_dim=config.ffn_dim,
+    )
+
+
+def block_config(config: Llama.Config) -> TransformerBlock.Config:
+    """One block: norm, attention, norm, feed-forward (every block of the model is alike).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> block_config(Llama.Config(dim=32, n_heads=4)).attention.dim
+        32
+    """
+    return TransformerBlock.Config(
+        attention_norm=norm_config(config),
+        attention=attention_config(config),
+        ffn_norm=norm_config(config),
+        feed_forward=feed_forward_config(config),
+    )
+
+
+def output_config(config: Llama.Config) -> Linear.Config:
+    """The output projection: column parallel over the vocab, logits left ``Shard(-1)``.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> output_config(Llama.Config()).sharding_config.out_dst_shardings
+        {MeshAxisName.TP: Shard(dim=-1)}
+    """
+    if not config.vocab_parallel:
+        return Linear.Config.replicated(config.dim, config.vocab_size)
+    return Linear.Config.colwise(
+        config.dim, config.vocab_size, sequence_parallel=config.sequence_parallel
+    )
+
+
+# -- the composition: TP -> activation checkpointing -> compile -> FSDP -----------------------
+def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
+    """The spec's ``parallelize_fn``: TP, activation checkpointing, compile, then FSDP.
+
+    The Configs' layouts over ``mesh["tp"]``; then activation checkpointing of every block
+    when ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
+    ``"selective"``; then the ``local_map`` blocks compiled when the model's
+    ``compile_local_map`` says so; then, on a mesh with a ``dp_shard`` axis (and
+    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`).
+
+    Example::
+
+        model = parallelize_llama(Llama.Config().build(), mesh)
+        model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
+    """
+    ac_mode = checkpoint_mode(job_config)  # checked before anything changes
+    tp_mesh = _tp_mesh(mesh)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    # FSDP's hooks stay outside the checkpointed forward, so the recompute does not unshard twice
+    apply_activation_checkpointing(model.layers, mode=ac_mode)
+    apply_compile(model)
+    apply_fsdp(model, mesh)
+    return model
+
+
+def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh tensor parallelism runs over (``None``: a data-parallel-only mesh)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_name = axis_name(MeshAxisName.TP)
+    if tp_name in names:
+        return mesh[tp_name] if len(names) > 1 else mesh
+    return None if axis_name(MeshAxisName.DP_SHARD) in names else mesh
+
+
+def apply_tp(model: Llama, mesh: DeviceMesh) -> Llama:
+    """Check the head counts divide by the ``tp`` size, then shard as the Configs above declare.
+
+    Example::
+
+        apply_tp(Llama.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_name = axis_name(MeshAxisName.TP)
+    if tp_name in names:
+        tp = mesh.size(names.index(tp_name))
+        cfg = model.config
+        n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
+        if cfg.n_heads % tp or n_kv % tp:
+            raise ValueError(
+                f"Llama.parallelize: n_heads ({cfg.n_heads}) and n_kv_heads ({n_kv}) must "
+                f"divide by the size of mesh axis 'tp' ({tp})"
+            )
+    Module.parallelize(model, mesh)
+    return model
+
+
+def apply_compile(model: Llama) -> Llama:
+    """``torch.compile`` the ``local_map`` blocks' local math when ``compile_local_map`` is set.
+
+    Example::
+
+        apply_compile(model)  # after apply_tp: a no-op unless model.config.compile_local_map
+    """
+    if model.config.compile_local_map:
+        compile_local_maps(model)
+    return model
+
+
+def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
+    """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
+
+    The units are TorchTitan's: the embeddings, each block, the final norm and the output
+    together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+    if shard not in names:
+        return model
+    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+    dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard([model.norm, model.output], mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model

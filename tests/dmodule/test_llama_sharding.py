@@ -1,0 +1,146 @@
+"""llama-ref's plan in ``models/llama_sharding.py``: the layouts the layers' presets give, in order.
+
+The oracle for the layouts is the layers' own presets (``Linear.Config.colwise``,
+``Embedding.Config.vocab_parallel``, ``block_sharding``, the norm presets), composed part by
+part as their docstrings describe llama-ref: every module of a built model must carry exactly
+that ``ShardingConfig``, for each variant. Values and collectives under that plan are
+checked against one process by ``test_llama.py`` and ``tests/integration``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hyper_parallel.dmodule import ShardingConfig
+from hyper_parallel.dmodule.layers import (
+    Attention,
+    Embedding,
+    FeedForward,
+    Linear,
+    RMSNorm,
+)
+from hyper_parallel.dmodule.models import llama_sharding
+from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama
+
+VARIANTS = {
+    "dtensor": {},
+    "local_map": {"use_local_map": True},
+    "sequence_parallel": {"sequence_parallel": True},
+    "local_map-sp": {"use_local_map": True, "sequence_parallel": True},
+    "no-vocab-parallel": {"vocab_parallel": False},
+    "no-vocab-parallel-sp": {"vocab_parallel": False, "sequence_parallel": True},
+}
+
+
+def _tiny(**flags: Any) -> Llama.Config:
+    return Llama.Config(
+        vocab_size=32,
+        dim=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=32,
+        max_seq_len=8,
+        **flags,
+    )
+
+
+def _expected(cfg: Llama.Config) -> dict[str, ShardingConfig | None]:
+    """Each module's sharding, from the layers' presets (projections: their own states_only)."""
+    sp, lm = cfg.sequence_parallel, cfg.use_local_map
+    if sp:
+        norm = RMSNorm.Config.sequence_parallel(cfg.dim).sharding_config
+    elif lm:
+        norm = RMSNorm.Config.local_map(cfg.dim).sharding_config
+    else:
+        norm = RMSNorm.Config(dim=cfg.dim).sharding_config
+    if cfg.vocab_parallel:
+        embedding = Embedding.Config.vocab_parallel(1, 1, sequence_parallel=sp).sharding_config
+        output = Linear.Config.colwise(1, 1, sequence_parallel=sp).sharding_config
+    else:
+        embedding = Embedding.Config.replicated(1, 1).sharding_config
+        output = Linear.Config.replicated(1, 1).sharding_config
+    colwise = Linear.Config.colwise(1, 1, states_only=True).sharding_config
+    rowwise = Linear.Config.rowwise(1, 1, states_only=True).sharding_config
+    attention = Attention.Config.tensor_parallel(local_map=lm, sequence_parallel=sp)
+    feed_forward = FeedForward.Config.tensor_parallel(local_map=lm, sequence_parallel=sp)
+    found: dict[str, ShardingConfig | None] = {
+        "": None,
+        "tok_embeddings": embedding,
+        "layers": None,
+        "norm": norm,
+        "output": output,
+    }
+    for i in range(cfg.n_layers):
+        block = f"layers.{i}"
+        found |= {
+            block: None,
+            f"{block}.attention_norm": norm,
+            f"{block}.attention": attention.sharding_config,
+            f"{block}.ffn_norm": norm,
+            f"{block}.feed_forward": feed_forward.sharding_config,
+            **{f"{block}.attention.{w}": colwise for w in ("wq", "wk", "wv")},
+            f"{block}.attention.wo": rowwise,
+            **{f"{block}.feed_forward.{w}": colwise for w in ("w1", "w3")},
+            f"{block}.feed_forward.w2": rowwise,
+        }
+    return found
+
+
+@pytest.mark.parametrize("flags", VARIANTS.values(), ids=VARIANTS.keys())
+def test_every_module_carries_the_plan_of_its_variant(flags: dict[str, Any]) -> None:
+    cfg = _tiny(**flags)
+    model = cfg.build()
+    got = {name: getattr(m, "sharding_config", None) for name, m in model.named_modules()}
+    assert got == _expected(cfg)
+    assert cfg.block() == llama_sharding.block_config(cfg)
+
+
+def test_both_block_norms_and_the_final_norm_share_one_config_but_not_one_object() -> None:
+    cfg = _tiny(sequence_parallel=True)
+    block = cfg.block()
+    assert block.attention_norm == block.ffn_norm == llama_sharding.norm_config(cfg)
+    assert block.attention_norm is not block.ffn_norm  # each part owns its copy
+
+
+class _FakeMesh:
+    """Just the names and sizes parallelize_llama reads to choose its steps."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.mesh_dim_names = names
+
+    def __getitem__(self, name: str) -> str:
+        return f"mesh[{name}]"
+
+
+@pytest.mark.parametrize(
+    ("names", "tp_mesh"),
+    [(("dp_shard", "tp"), "mesh[tp]"), (("dp_shard",), None), (("dp",), "whole")],
+)
+def test_parallelize_llama_runs_tp_then_ac_then_compile_then_fsdp(
+    names: tuple[str, ...], tp_mesh: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, object]] = []
+    mesh = _FakeMesh(names)
+    for step in ("apply_tp", "apply_compile", "apply_fsdp"):
+        monkeypatch.setattr(
+            llama_sharding,
+            step,
+            lambda model, *args, _step=step: calls.append((_step, args[0] if args else None)),
+        )
+    monkeypatch.setattr(
+        llama_sharding,
+        "apply_activation_checkpointing",
+        lambda blocks, mode: calls.append(("apply_activation_checkpointing", mode)),
+    )
+    model = _tiny().build()
+    assert parallelize_llama(model, mesh, {"activation_checkpoint": "full"}) is model  # type: ignore[arg-type]
+    expected_tp = [("apply_tp", mesh if tp_mesh == "whole" else tp_mesh)] if tp_mesh else []
+    assert calls == [
+        *expected_tp,
+        ("apply_activation_checkpointing", "full"),
+        ("apply_compile", None),
+        ("apply_fsdp", mesh),
+    ]
