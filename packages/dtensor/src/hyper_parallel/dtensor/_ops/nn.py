@@ -378,6 +378,38 @@ def _new_factory_rule(call: OpCall) -> Decision:
     return decision
 
 
+def _eye_out_rule(call: OpCall) -> Decision:
+    """``torch.eye(n, m, out=dt)`` (``nn.init.eye_``): each rank writes its block of the identity.
+
+    The written tensor keeps its layout; a Partial target is declined (the fallback).
+    """
+    spec = call.specs[0]
+    if any(isinstance(p, Partial) for p in spec.placements):
+        raise Declined(f"{call.func}: the identity cannot be written into a Partial")
+    decision = Decision([spec.placements], [spec.placements])
+    if any(isinstance(p, Shard) for p in spec.placements):
+        mesh = call.mesh
+        coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+        shape, offset = local_shape_and_offset(spec.shape, mesh.shape, coordinate, spec.placements)
+        decision.local_fn = _eye_block(shape, offset)
+    return decision
+
+
+def _eye_block(shape: Sequence[int], offset: Sequence[int]) -> Any:
+    """Write the block at ``offset`` of the identity into ``out`` (the local shard)."""
+
+    def eye(*args: Any, out: torch.Tensor) -> torch.Tensor:
+        out.zero_()
+        first = max(offset[0], offset[1])
+        last = min(offset[0] + shape[0], offset[1] + shape[1])
+        if last > first:
+            idx = torch.arange(first, last, device=out.device)
+            out[idx - offset[0], idx - offset[1]] = 1
+        return out
+
+    return eye
+
+
 def _local_size_rewrite(
     args: Sequence[Any], kwargs: dict[str, Any], out_shapes: list[tuple[int, ...] | None]
 ) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -417,6 +449,7 @@ register_rule(
 register_rule(
     aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default
 )(_like_rule)
+register_rule(aten.eye.m_out, aten.eye.out)(_eye_out_rule)
 register_rule(
     aten.new_empty.default,
     aten.new_zeros.default,
