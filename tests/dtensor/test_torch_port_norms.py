@@ -115,6 +115,38 @@ def _batch_norm(side: Side) -> dict[str, Any]:
     return out
 
 
+def _batch_norm_2d(side: Side) -> dict[str, Any]:
+    """Train-mode batch norm on a (dp, tp) mesh: batch split on dp, channels on tp."""
+    gen = torch.Generator().manual_seed(37)
+    x_full = torch.randn(8, 4, 3, generator=gen) * 2 - 1
+    target = torch.randn(8, 4, 3, generator=gen)
+    weight, mean, var = torch.rand(4, generator=gen) + 0.5, torch.zeros(4), torch.ones(4)
+    S, R = side.Shard, side.Replicate
+    x = side.distribute(x_full.clone(), [S(0), S(1)]).requires_grad_()
+    w = side.distribute(weight.clone(), [R(), S(0)]).requires_grad_()
+    stats = [side.distribute(t.clone(), [R(), S(0)]) for t in (mean, var)]
+    target_dt = side.distribute(target, [S(0), S(1)])
+    with side.comm() as forward:
+        y = F.batch_norm(x, stats[0], stats[1], w, None, training=True, momentum=0.5)
+    with side.comm() as backward:
+        torch.autograd.backward((y * target_dt).sum())
+    leaf_x, leaf_w = x_full.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = F.batch_norm(leaf_x, mean, var, leaf_w, None, True, 0.5)
+    torch.autograd.backward((want * target).sum())
+    assert x.grad is not None and w.grad is not None
+    assert leaf_x.grad is not None and leaf_w.grad is not None
+    return {
+        "close": close(full(y).detach(), want.detach())
+        and close(full(x.grad), leaf_x.grad)
+        and close(full(w.grad), leaf_w.grad)
+        and close(full(stats[0]), mean)
+        and close(full(stats[1]), var),
+        "layout": layout(y),
+        "forward": forward,
+        "backward": backward,
+    }
+
+
 def _foreach_across_meshes(side: Side) -> dict[str, Any]:
     """Optimizer-style foreach ops over parameters on mesh['tp'] and mesh['dp'].
 
@@ -173,6 +205,7 @@ def _both() -> dict[str, Any]:
         }
     for side in sides((2, 2), ("dp", "tp")):
         out[side.name]["foreach"] = _foreach_across_meshes(side)
+        out[side.name]["batch_norm 2-d"] = _batch_norm_2d(side)
     return out
 
 
@@ -233,6 +266,13 @@ def test_norms_losses_and_foreach_like_torch() -> None:
                 # the weight and bias gradients are local sums, reduced to the leaf's layout
                 assert mine["backward"] == {"all_reduce": 2}, (case, mine)
             assert mine["grad_layouts"] == [(("S", dim),), (("R",),), (("R",),)], (case, mine)
+
+        # on a (dp, tp) mesh: statistics reduced over dp only, channels local on tp
+        bn2, bn2_t = ours["batch_norm 2-d"], theirs["batch_norm 2-d"]
+        assert bn2["close"] and bn2_t["close"], (bn2, bn2_t)
+        assert bn2["layout"] == (("S", 0), ("S", 1)), bn2
+        assert bn2["forward"] == {"all_reduce": 2}, bn2
+        assert bn2["backward"] == {"all_reduce": 1}, bn2
 
         # foreach over parameters on two meshes: an optimizer step works on both sides
         # with no collective, and an element mixing meshes raises a RuntimeError on both.
