@@ -54,6 +54,7 @@ def _math() -> list[Case]:
         Case("math max(dim=1) of S0", lambda t: t.max(1)[0], (_A,), ("S0",)),
         Case("math min(dim=0, keepdim) of S1", lambda t: t.min(0, True)[0], (_A,), ("S1",)),
         Case("math all() of a bool S0", lambda t: (t > 0).all(), (_A,), ("S0",)),
+        Case("math any() of a bool S1", lambda t: (t > 1).any(), (_A,), ("S1",)),
         Case("math any(dim=2) of a bool S0", lambda t: (t > 0).any(2), (_A,), ("S0",)),
         Case("math softmax(-1) of S0", lambda t: F.softmax(t, -1), (_A,), ("S0",), backward=True),
         Case("math softmax(0) of S1", lambda t: F.softmax(t, 0), (_A,), ("S1",), backward=True),
@@ -304,8 +305,9 @@ DIFFERENT: dict[str, Expected] = {
     # a mean over a sharded dim is a local sum over the global count: Partial(sum)
     "math mean() of S0": ((("P", "sum"),), {}),
     "math mean(dim=0) of S0": ((("P", "sum"),), {}),
-    # all() of a sharded bool: the local all()s form a Partial("min"), torch gathers
+    # all()/any() of a sharded bool: the local results form a Partial("min"/"max"), torch gathers
     "math all() of a bool S0": ((("P", "min"),), {}),
+    "math any() of a bool S1": ((("P", "max"),), {}),
     # an embedding lookup of sharded ids stays sharded like the ids, torch gathers them
     "embedding sharded ids": ((("S", 1),), {}),
 }
