@@ -37,7 +37,7 @@ _KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast
 
 
 def _kind(op: Any) -> str:
-    name = str(op)
+    name = str(op).replace("allreduce", "all_reduce").replace("allgather", "all_gather")
     for kind in _KINDS:
         if kind in name:
             return kind

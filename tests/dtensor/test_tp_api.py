@@ -381,7 +381,6 @@ def _distribute_module_both(world_size: int) -> dict[str, Any]:
     return {api.name: _distribute_module_side(api, world_size) for api in (TORCH, HP)}
 
 
-@pytest.mark.allows_fallback  # aten.native_batch_norm has no sharding rule yet
 @world_sizes(2)
 def test_distribute_module_partitions_replicates_and_hooks_as_torch(world_size: int) -> None:
     for rank, sides in enumerate(run_on_ranks(_distribute_module_both, world_size, world_size)):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hyper_parallel.dtensor._ops._strategy import decision_cost
-from hyper_parallel.dtensor._redistribute import redistribute_local
+from hyper_parallel.dtensor._redistribute import PlacementError, redistribute_local
 from hyper_parallel.dtensor._registry import (
     Decision,
     Declined,
@@ -646,11 +646,14 @@ def _fallback_plan(info: OpInfo, mutation: _Mutation, reason: str) -> Plan:
 
 
 def common_mesh(func: torch._ops.OpOverload, specs: Sequence[DTensorSpec]) -> DeviceMesh:
-    """The one mesh of a call's DTensor arguments (raises naming both when they differ)."""
+    """The one mesh of a call's DTensor arguments (raises naming both when they differ).
+
+    The error is a ``PlacementError``: a ``RuntimeError`` as torch's, and a ``ValueError``.
+    """
     mesh = specs[0].mesh
     for s in specs[1:]:
         if s.mesh != mesh:
-            raise ValueError(
+            raise PlacementError(
                 f"{func}: DTensor arguments live on different meshes: {mesh} and {s.mesh}"
             )
     return mesh

@@ -1,10 +1,11 @@
 """Sharding rules of ops that work along some dims and map the others one to one.
 
-``cumsum``, ``flip``, ``logsumexp``, ``topk``, ``repeat``, ``constant_pad_nd``: a shard
-of a dim the op does not touch stays sharded (at the dim's place in the output); a
-shard of a dim it works along is gathered first, as torch does. Partial inputs are
-reduced first, except that ``cumsum``, ``flip`` and ``constant_pad_nd`` with value 0
-keep a Partial sum (they are linear).
+``cumsum``, ``flip``, ``roll``, ``tril``/``triu``, ``logsumexp``, ``topk``, ``repeat``,
+``constant_pad_nd``: a shard of a dim the op does not touch stays sharded (at the dim's
+place in the output); a shard of a dim it works along is gathered first, as torch does.
+Partial inputs are reduced first, except that ``cumsum``, ``flip``, ``roll``,
+``tril``/``triu`` and ``constant_pad_nd`` with value 0 keep a Partial sum (they are
+linear).
 """
 
 from __future__ import annotations
@@ -63,6 +64,24 @@ def _flip_rule(call: OpCall) -> Decision:
     return _keep_other_dims(call, dim_map, keep_sum_partial=floating)
 
 
+def _roll_rule(call: OpCall) -> Decision:
+    """``roll`` along given dims: shards of the other dims stay (no ``dims``: flattened, replicate)."""
+    spec = call.specs[0]
+    dims = call.args[2] if len(call.args) > 2 else call.kwargs.get("dims", [])
+    if not dims:
+        return _keep_other_dims(call, [None] * spec.ndim)
+    rolled = {_norm(d, spec.ndim) for d in dims}
+    dim_map = [None if d in rolled else d for d in range(spec.ndim)]
+    return _keep_other_dims(call, dim_map, keep_sum_partial=True)
+
+
+def _triangle_rule(call: OpCall) -> Decision:
+    """``tril`` / ``triu``: the batch dims shard freely, the last two are replicated."""
+    spec = call.specs[0]
+    dim_map = [d if d < spec.ndim - 2 else None for d in range(spec.ndim)]
+    return _keep_other_dims(call, dim_map, keep_sum_partial=True)
+
+
 def _reducing_rule(call: OpCall) -> Decision:
     """logsumexp(dims, keepdim): a shard of a reduced dim is gathered."""
     spec = call.specs[0]
@@ -107,6 +126,8 @@ def _pad_rule(call: OpCall) -> Decision:
 
 register_rule(aten.cumsum.default)(_cumsum_rule)
 register_rule(aten.flip.default)(_flip_rule)
+register_rule(aten.roll.default)(_roll_rule)
+register_rule(aten.tril.default, aten.triu.default)(_triangle_rule)
 register_rule(aten.logsumexp.default)(_reducing_rule)
 register_rule(aten.topk.default)(_topk_rule)
 register_rule(aten.repeat.default)(_repeat_rule)

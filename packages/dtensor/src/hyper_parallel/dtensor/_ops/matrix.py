@@ -65,6 +65,17 @@ def _mv_rule(call: OpCall) -> Decision:
     return choose(call, lambda axis: cands)
 
 
+def _dot_rule(call: OpCall) -> Decision:
+    """``a . b`` of two vectors: shards of both give partial sums (torch's Partial)."""
+    cands: list[Candidate] = [
+        ((Shard(0), Shard(0)), (_P,)),
+        ((_R, _R), (_R,)),
+        ((_P, _R), (_P,)),
+        ((_R, _P), (_P,)),
+    ]
+    return choose(call, lambda axis: cands)
+
+
 def _addmm_rule(call: OpCall) -> Decision | None:
     """``beta * bias + alpha * (a @ b)``: the product's layouts, with the bias laid out to match.
 
@@ -122,4 +133,5 @@ def _product_without_bias(batch: bool) -> Any:
 
 register_rule(aten.mm.default, aten.bmm.default)(_mm_rule)
 register_rule(aten.mv.default)(_mv_rule)
+register_rule(aten.dot.default, aten.vdot.default)(_dot_rule)
 register_rule(aten.addmm.default, aten.baddbmm.default)(_addmm_rule)
