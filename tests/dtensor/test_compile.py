@@ -10,6 +10,8 @@ compile costs tens of seconds).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -178,3 +180,20 @@ def test_compiled_code_breaks_cleanly_at_every_dtensor_op() -> None:
         assert result["pointwise"] == {"breaks": {"DTensor op": 1}, "graphs": 0, "ops": 0}
         # to_local and from_local break the graph; the math on the shard between compiles
         assert result["local_math"] == {"breaks": {"hp-dtensor call": 2}, "graphs": 1, "ops": 4}
+
+
+def test_registration_waits_for_dynamo_and_happens_when_it_loads() -> None:
+    # a fresh interpreter: importing hp-dtensor does not import dynamo (seconds), and
+    # importing dynamo afterwards registers DTensor and skips hp-dtensor's files
+    code = (
+        "import sys, hyper_parallel.dtensor as hp\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "import torch._dynamo, torch._dynamo.trace_rules as rules\n"
+        "assert hp.DTensor in torch._dynamo.config.nontraceable_tensor_subclasses\n"
+        "assert rules.check_file(hp.DTensor.to_local.__code__.co_filename).skipped\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
