@@ -25,6 +25,7 @@ from hyper_parallel.dtensor import (
     DTensor,
     Replicate,
     Shard,
+    collectives,
     distribute_tensor,
     init_device_mesh,
 )
@@ -157,6 +158,20 @@ def _compile_cases() -> dict[str, Any]:
         assert_close_to_scale(got[1][0], want[1][0], what=f"{name} gradient")
         assert got[2] == want[2]
         out[name] = _breaks(fn, make_dt())
+
+    # a collective of hp-dtensor inside compiled code: an eager call, observed every time
+    def reduced(t: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(t.sin() * 2, mesh, "tp").cos()
+
+    torch._dynamo.reset()
+    compiled_reduced = torch.compile(reduced)
+    seen = []
+    for _ in range(2):
+        with CommDebugMode() as comm:
+            summed = compiled_reduced(torch.ones(3))
+        seen.append([r.kind for r in comm.records()])
+    assert seen == [["all_reduce"], ["all_reduce"]], seen
+    assert_close_to_scale(summed, reduced(torch.ones(3)), what="compiled all_reduce")
     # a replicated DTensor too: the result keeps its placement
     rep = distribute_tensor(torch.ones(3), mesh, [Replicate()])
     compiled_pointwise = torch.compile(pointwise)
