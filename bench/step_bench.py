@@ -42,6 +42,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ours_tp_api": "bench.ours.tp_api:build_hp_tp_step",
     "ours_tp_api_no_overlap": "bench.ours.tp_api:build_hp_tp_step_no_overlap",
     "ours_compiled": "bench.ours.user_model:build_user_model_compiled_step",
+    "ours_compiled_blocks": "bench.ours.user_model:build_user_model_compiled_blocks_step",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"

@@ -29,7 +29,11 @@ from hyper_parallel.dmodule import (
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dtensor import Partial, Replicate, Shard, init_device_mesh
 
-__all__ = ["build_user_model_compiled_step", "build_user_model_step"]
+__all__ = [
+    "build_user_model_compiled_blocks_step",
+    "build_user_model_compiled_step",
+    "build_user_model_step",
+]
 
 TP = MeshAxisName.TP
 REPLICATED = {TP: Replicate()}
@@ -248,4 +252,23 @@ def build_user_model_compiled_step(
     """
     step = UserModelStep(cfg, full_weights, ctx)
     compile_local_maps(step.model)
+    return step
+
+
+def build_user_model_compiled_blocks_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(g'): (e) with the attention and MLP blocks compiled, the norms eager.
+
+    Each compiled region costs torch's compiled-function runtime (dynamo's frame entry,
+    AOTAutograd's wrappers, inductor's call) about 250 Python calls per forward and
+    backward, whatever its size; a norm's math saves less than that, a block's more.
+
+    Example:
+        >>> step = build_user_model_compiled_blocks_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    step = UserModelStep(cfg, full_weights, ctx)
+    for layer in step.model.layers:
+        compile_local_maps(layer.attention)
+        compile_local_maps(layer.feed_forward)
     return step

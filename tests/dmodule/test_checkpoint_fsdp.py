@@ -9,6 +9,7 @@ its values, each rank holding only its shards.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from hyper_parallel.dmodule.checkpoint import (
 )
 from hyper_parallel.dmodule.models.llama import parallelize_llama
 from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
-from hyper_parallel.dtensor import DTensor, init_device_mesh
+from hyper_parallel.dtensor import CommDebugMode, DTensor, init_device_mesh
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -117,6 +118,23 @@ def _fsdp_ranks(hf_dir: str) -> dict[str, Any]:
         load(fresh, fresh_opt)
         got_m, got_o = get_state_dict(fresh, fresh_opt, options=FULL)
         out[f"loaded_{name}"] = (got_m, _flat(got_o))
+    # activation checkpointing on FSDP x TP: the step of no checkpointing, bitwise, and
+    # FSDP's collectives unchanged (the recompute re-issues only TP's forward all-reduces)
+    tokens, targets = synthetic_batch(0, batch_size=4, seq_len=8, vocab_size=24, seed=1)
+    for mode in ("none", "full", "selective"):
+        torch.manual_seed(0)
+        ac_model = CONFIG.build()
+        ac_model.init_weights()
+        parallelize_llama(
+            ac_model, mesh, {"activation_checkpoint": mode} if mode != "none" else None
+        )
+        with CommDebugMode() as comm:
+            ac_loss = ac_model.loss(tokens[dp * 2 : dp * 2 + 2], targets[dp * 2 : dp * 2 + 2])
+            ac_loss.backward()
+        grads = [p.grad.full_tensor() for p in ac_model.parameters() if p.grad is not None]
+        fsdp_counts = Counter(r.kind for r in comm.records() if r.mesh_axis == "dp_shard")
+        loss_full = ac_loss.full_tensor() if isinstance(ac_loss, DTensor) else ac_loss
+        out[f"ac_{mode}"] = ([loss_full.detach(), *grads], dict(fsdp_counts))
     return out
 
 
@@ -154,3 +172,10 @@ def test_fsdp_x_tp_llama_trains_as_one_process_and_its_state_dicts_round_trip(
                 assert torch.equal(got_m[key], want), (what, name, key)
             for key, want in got["full_optim"].items():
                 assert torch.equal(got_o[key], want), (what, name, key)
+        want_ac, want_counts = got["ac_none"]
+        assert want_counts["all_gather"] > 0 and want_counts["reduce_scatter"] > 0, want_counts
+        for mode in ("full", "selective"):
+            tensors, counts = got[f"ac_{mode}"]
+            assert counts == want_counts, (what, mode, counts, want_counts)
+            for index, (g, w) in enumerate(zip(tensors, want_ac, strict=True)):
+                assert torch.equal(g, w), (what, mode, index)

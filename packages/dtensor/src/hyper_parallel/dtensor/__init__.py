@@ -18,6 +18,7 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.dtensor._checkpointable import rebuild_dtensor as _rebuild_dtensor
 from hyper_parallel.dtensor._clip_grad import clip_grad_norm_
+from hyper_parallel.dtensor._compile import install as _install_compile_support
 from hyper_parallel.dtensor._dispatch import implicit_replication
 from hyper_parallel.dtensor._distribute import distribute_tensor
 from hyper_parallel.dtensor._distribute_module import distribute_module
@@ -42,6 +43,8 @@ from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate
 _torch.serialization.add_safe_globals(
     [DTensor, DeviceMesh, Shard, Replicate, Partial, _rebuild_mesh, _rebuild_dtensor]
 )
+# torch.compile: every DTensor op a clean graph break (registered when dynamo loads)
+_install_compile_support()
 
 __all__ = [
     "CommDebugMode",
