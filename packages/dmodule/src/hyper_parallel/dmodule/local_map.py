@@ -35,7 +35,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Replicate
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, collectives
 
 __all__ = ["local_states"]
 
@@ -183,6 +183,40 @@ def partial_to_replicate(placements: Placements) -> Placements:
     return tuple([Replicate() if p.is_partial() else p for p in placements])
 
 
+def reduce_moves(src: Placements, dst: Placements) -> list[tuple[int, str]] | None:
+    """The all-reduces ``(mesh axis, reduce op)`` that move ``src`` to ``dst`` when the move is
+    only Partial -> Replicate (``[]``: nothing moves); ``None`` for any other move.
+
+    The boundary runs these on the local tensor itself: the collectives ``redistribute``
+    issues for such a move, without building a DTensor to redistribute.
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Partial, Shard
+        >>> reduce_moves((Partial(), Shard(0)), (Replicate(), Shard(0)))
+        [(0, 'sum')]
+        >>> reduce_moves((Shard(0),), (Replicate(),)) is None   # an all-gather
+        True
+    """
+    moves: list[tuple[int, str]] = []
+    for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
+        if s is d:  # placements are one object per value
+            continue
+        if type(s) is Partial and type(d) is Replicate:
+            moves.append((axis, s.reduce_op))
+            continue
+        return None
+    return moves
+
+
+def _all_reduce_local(
+    local: torch.Tensor, mesh: DeviceMesh, moves: Sequence[tuple[int, str]]
+) -> torch.Tensor:
+    for axis, op in moves:
+        local = collectives.all_reduce(local, mesh, axis, op)  # type: ignore[arg-type]
+    return local
+
+
 # Wrapping a local tensor as a DTensor through the subclass protocol (``__tensor_flatten__``
 # / ``__tensor_unflatten__``) with the flattened context of a first ``from_local`` of that
 # layout: what ``from_local`` builds, without re-deriving the layout on every call.
@@ -295,10 +329,16 @@ class _EnterLocal(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         mesh: DeviceMesh = ctx.mesh
         out: list[torch.Tensor | None] = []
+        on_mesh = mesh.get_coordinate() is not None
         for step, grad in zip(ctx.steps, grads, strict=True):
             if grad is None:
                 out.append(None)
                 continue
+            if on_mesh and step.dst is not None:
+                fast = _enter_grad_by_reduces(step, grad, mesh)
+                if fast is not None:
+                    out.append(fast)
+                    continue
             # to_local's backward: the local gradient in the declared gradient layout
             dt = wrap_local(grad, mesh, step.grad_layout, step.global_shape)
             here = step.grad_layout
@@ -314,6 +354,26 @@ class _EnterLocal(torch.autograd.Function):
                 dt = dt.redistribute(mesh, target)
             out.append(dt.to_local())
         return (None, None, None, None, *out)
+
+
+def _enter_grad_by_reduces(
+    step: InputStep, grad: torch.Tensor, mesh: DeviceMesh
+) -> torch.Tensor | None:
+    """``_EnterLocal.backward`` for one input when each of its moves is Partial -> Replicate
+    (``None`` otherwise): the same all-reduces on the local gradient, one wrap at the end."""
+    assert step.dst is not None
+    here = step.grad_layout
+    target = grad_target(step.before, here)  # enforce_layout's backward
+    moves = reduce_moves(here, target)
+    if moves is None:
+        return None
+    if step.layout is not None:  # from_local's backward
+        final = partial_to_replicate(step.layout)
+        more = reduce_moves(target, final)
+        if more is None:
+            return None
+        return _all_reduce_local(_all_reduce_local(grad, mesh, moves), mesh, more)
+    return wrap_local(_all_reduce_local(grad, mesh, moves), mesh, target, step.global_shape)
 
 
 @dataclass(slots=True)
@@ -334,11 +394,22 @@ class _ExitLocal(torch.autograd.Function):
     ) -> tuple[DTensor, ...]:
         ctx.mesh, ctx.steps = mesh, steps
         outs: list[DTensor] = []
+        on_mesh = mesh.get_coordinate() is not None
         for step, value in zip(steps, values, strict=True):
-            dt = wrap_local(value.detach(), mesh, step.layout)
-            step.global_shape = tuple(dt.shape)
+            local = value.detach()
             if step.dst is not None and step.dst != step.layout:
+                moves = reduce_moves(step.layout, step.dst) if on_mesh else None
+                if moves is not None:  # Partial -> Replicate: all-reduce the local tensor
+                    dt = wrap_local(_all_reduce_local(local, mesh, moves), mesh, step.dst)
+                    step.global_shape = tuple(dt.shape)  # the even shape of either layout
+                    outs.append(dt)
+                    continue
+                dt = wrap_local(local, mesh, step.layout)
+                step.global_shape = tuple(dt.shape)
                 dt = dt.redistribute(mesh, step.dst)
+            else:
+                dt = wrap_local(local, mesh, step.layout)
+                step.global_shape = tuple(dt.shape)
             outs.append(dt)
         ctx.set_materialize_grads(False)
         return tuple(outs)
