@@ -73,17 +73,22 @@ def dtensor_states(module: torch.nn.Module) -> list[StateSlot]:
         >>> dtensor_states(torch.nn.Linear(2, 2))   # plain states: none
         []
     """
+    # Every local_map call walks its module: the loop makes no Python call per state
+    # (exact-type check first, no list methods) and none for a module without children.
     found: list[StateSlot] = []
-    stack = [module]
-    while stack:
-        sub = stack.pop()
+    sub = module
+    stack: list[torch.nn.Module] = []
+    while True:
         for states in (sub._parameters, sub._buffers):
-            for name, value in states.items():
-                if isinstance(value, DTensor):
-                    found.append((states, name, value))
+            for name in states:
+                value = states[name]
+                if type(value) is DTensor or (value is not None and isinstance(value, DTensor)):
+                    found += ((states, name, value),)
         if sub._modules:
             stack += [child for child in sub._modules.values() if child is not None]
-    return found
+        if not stack:
+            return found
+        sub = stack.pop()
 
 
 # -- the states' local views, once per step ------------------------------------------------
@@ -100,21 +105,24 @@ class _View:
     view: torch.Tensor
 
 
-# module -> id(state) -> view; weak on the module only (states refuse weak references
-# under ``torch.utils.swap_tensors``, which ``Module.to_empty`` uses)
-_views: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, _View]] = weakref.WeakKeyDictionary()
+# module -> the view of each of its states, in ``dtensor_states`` order; weak on the module
+# only (states refuse weak references under ``torch.utils.swap_tensors``, which
+# ``Module.to_empty`` uses)
+_views: weakref.WeakKeyDictionary[torch.nn.Module, list[_View | None]] = weakref.WeakKeyDictionary()
 
 
 def _local_views(
     module: torch.nn.Module, slots: Sequence[StateSlot], shards: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """The differentiable local view of each state, reused while it is still that state's."""
-    cache = _views.get(module)
-    if cache is None:
-        cache = _views[module] = {}
+    kept = _views.get(module)
+    if kept is None or len(kept) != len(slots):
+        kept = _views[module] = [None] * len(slots)
+    # kept[i] is the view of slots[i]'s state, checked (and re-taken) without a call
+    # when it is still that state's
     out: list[torch.Tensor] = []
-    for (_, _, state), shard in zip(slots, shards, strict=True):
-        entry = cache.get(id(state))
+    for i, ((_, _, state), shard) in enumerate(zip(slots, shards, strict=True)):
+        entry = kept[i]
         if (
             entry is None
             or entry.state is not state
@@ -123,14 +131,8 @@ def _local_views(
             or entry.requires_grad != state.requires_grad
         ):
             view = state.to_local()
-            entry = cache[id(state)] = _View(
-                state, shard, shard._version, state.requires_grad, view
-            )
-        out.append(entry.view)
-    if len(cache) > len(slots):  # states replaced since: drop the stale views
-        alive = {id(state) for _, _, state in slots}
-        for key in [key for key in cache if key not in alive]:
-            del cache[key]
+            entry = kept[i] = _View(state, shard, shard._version, state.requires_grad, view)
+        out += (entry.view,)
     return out
 
 
@@ -163,12 +165,16 @@ def grad_target(forward: Placements, grad: Placements) -> Placements:
         >>> grad_target((Replicate(),), (Partial(),))
         (Replicate(),)
     """
-    return tuple(
+    key = (forward, grad)  # placements hash by identity: no Python call to look up
+    if key in _grad_targets:
+        return _grad_targets[key]
+    target = tuple(
         [
             Replicate() if fwd.is_partial() and not cur.is_partial() else fwd
             for fwd, cur in zip(forward, grad, strict=True)
         ]
     )
+    return _remember(_grad_targets, key, target)
 
 
 def partial_to_replicate(placements: Placements) -> Placements:
@@ -180,7 +186,22 @@ def partial_to_replicate(placements: Placements) -> Placements:
         >>> partial_to_replicate((Partial(),))
         (Replicate(),)
     """
-    return tuple([Replicate() if p.is_partial() else p for p in placements])
+    if placements in _leaf_grads:
+        return _leaf_grads[placements]
+    target = tuple([Replicate() if p.is_partial() else p for p in placements])
+    return _remember(_leaf_grads, placements, target)
+
+
+# Both are asked on every backward through the boundary: their answers are kept.
+_grad_targets: dict[tuple[Placements, Placements], Placements] = {}
+_leaf_grads: dict[Placements, Placements] = {}
+
+
+def _remember(table: dict[Any, Placements], key: Any, value: Placements) -> Placements:
+    if len(table) > 1024:  # bounded, as the layout caches of hp-dtensor
+        table.clear()
+    table[key] = value
+    return value
 
 
 def reduce_moves(src: Placements, dst: Placements) -> list[tuple[int, str]] | None:

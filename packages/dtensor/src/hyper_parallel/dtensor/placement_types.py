@@ -71,13 +71,13 @@ class Shard(Placement):
     def __new__(cls, dim: int) -> Shard:
         interned = _instances_of[cls]
         key = (type(dim), dim)  # the type too: True == 1, and Shard(True) must still raise
-        found = interned.get(key)
-        if found is None:
-            if not isinstance(dim, int) or isinstance(dim, bool):
-                raise TypeError(f"Shard(dim): expected an int tensor dimension, found {dim!r}")
-            found = interned[key] = object.__new__(cls)
-            object.__setattr__(found, "dim", int(dim))
-        return found  # type: ignore[return-value]
+        if key in interned:  # subscripts, not dict.get: no Python call on the common path
+            return interned[key]  # type: ignore[no-any-return]
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"Shard(dim): expected an int tensor dimension, found {dim!r}")
+        found = interned[key] = object.__new__(cls)
+        object.__setattr__(found, "dim", int(dim))
+        return found  # type: ignore[no-any-return]
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or self.dim == dim
@@ -102,10 +102,10 @@ class Replicate(Placement):
 
     def __new__(cls) -> Replicate:
         interned = _instances_of[cls]
-        found = interned.get(())
-        if found is None:
-            found = interned[()] = object.__new__(cls)
-        return found  # type: ignore[return-value]
+        if () in interned:
+            return interned[()]  # type: ignore[no-any-return]
+        found = interned[()] = object.__new__(cls)
+        return found  # type: ignore[no-any-return]
 
     def is_replicate(self) -> bool:
         return True
@@ -136,20 +136,20 @@ class Partial(Placement):
     def __new__(cls, reduce_op: ReduceOp | Literal["prod"] = "sum") -> Partial:
         interned = _instances_of[cls]
         key = (type(reduce_op), reduce_op)
-        found = interned.get(key)
+        if key in interned:
+            return interned[key]  # type: ignore[no-any-return]
+        name = "product" if reduce_op == "prod" else reduce_op
+        if name not in _REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce_op): expected one of {_REDUCE_OPS} (or 'prod'), found "
+                f"{reduce_op!r}"
+            )
+        found = interned.get((str, name))
         if found is None:
-            name = "product" if reduce_op == "prod" else reduce_op
-            if name not in _REDUCE_OPS:
-                raise ValueError(
-                    f"Partial(reduce_op): expected one of {_REDUCE_OPS} (or 'prod'), found "
-                    f"{reduce_op!r}"
-                )
-            found = interned.get((str, name))
-            if found is None:
-                found = interned[(str, name)] = object.__new__(cls)
-                object.__setattr__(found, "reduce_op", str(name))
-            interned[key] = found
-        return found  # type: ignore[return-value]
+            found = interned[(str, name)] = object.__new__(cls)
+            object.__setattr__(found, "reduce_op", str(name))
+        interned[key] = found
+        return found  # type: ignore[no-any-return]
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or self.reduce_op == reduce_op
