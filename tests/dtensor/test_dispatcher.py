@@ -194,6 +194,7 @@ def _keys_agree(world_size: int) -> list[str]:
     # detach, run inline, is its registered special (detach_alias)
     inline = x.detach()
     special = detach_alias(aten.detach.default, (x,), {})
+    assert isinstance(inline, DTensor) and isinstance(special, DTensor)
     if not (
         type(inline) is type(special)
         and inline._spec is special._spec is x._spec
