@@ -135,17 +135,18 @@ def print_table(
 ) -> None:
     """Print one (world size, width) block: timings, ratios, parity and collectives."""
     minimum = 2 * cfg.n_layers
+    width = max([16, *(len(name) + 2 for name in summary)])  # the name column fits every name
     print(
         f"\n== world_size={world_size} dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/"
         f"{cfg.n_kv_heads} ffn={cfg.hidden_dim} seq={cfg.seq} batch={cfg.batch} vocab={cfg.vocab}"
     )
     print(
-        f"   {'impl':<16}{'median ms':>11}{'min ms':>9}{'/megatron':>11}{'min':>7}"
+        f"   {'impl':<{width}}{'median ms':>11}{'min ms':>9}{'/megatron':>11}{'min':>7}"
         f"{'/torch_tp':>11}{'min':>7}  parity (max|dgrad|)"
     )
     for name, e in summary.items():
         if e["status"] != "ok":
-            print(f"!! {name:<16} ERROR: {e['error']}")
+            print(f"!! {name:<{width}} ERROR: {e['error']}")
             continue
         cells = ""
         for b in (MEGATRON, TORCH_TP):
@@ -155,7 +156,7 @@ def print_table(
         parity = "ok" if e["parity_ok"] else "FAILED"
         flag = "  " if e["parity_ok"] else "!!"
         print(
-            f"{flag} {name:<16}{e['median_ms']:>11.2f}{e['min_ms']:>9.2f}{cells}  {parity} "
+            f"{flag} {name:<{width}}{e['median_ms']:>11.2f}{e['min_ms']:>9.2f}{cells}  {parity} "
             f"({e['grad_max_abs_diff']:.2e}; loss {e['loss_abs_diff']:.1e})"
         )
     print("   function calls per step (cProfile: Python and builtin calls; rank 0)")
@@ -163,12 +164,13 @@ def print_table(
         if e["status"] == "ok" and e.get("python_calls"):
             ratio = e.get("calls_vs_megatron")
             vs = f"  ({ratio:.2f}x megatron)" if ratio is not None else ""
-            print(f"   {name:<16}{e['python_calls']:>9}{vs}")
+            print(f"   {name:<{width}}{e['python_calls']:>9}{vs}")
     print(f"   collectives per step (Megatron minimum: all_reduce={minimum} fwd, {minimum} bwd)")
     for name, e in summary.items():
         if e["status"] == "ok":
             print(
-                f"   {name:<16}fwd {_fmt_comm(e['comm_forward'])}; bwd {_fmt_comm(e['comm_backward'])}"
+                f"   {name:<{width}}fwd {_fmt_comm(e['comm_forward'])}; "
+                f"bwd {_fmt_comm(e['comm_backward'])}"
             )
 
 

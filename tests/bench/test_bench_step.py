@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -82,3 +83,32 @@ def test_step_bench_flags_wrong_and_failing_implementations_and_skips_missing(
     assert "missing" in payload["skipped"] and "missing" not in impls
     printed = capsys.readouterr().out
     assert "PARITY FAILED" in printed and "skipped missing" in printed
+
+
+def test_step_bench_table_columns_align_for_long_names(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = LlamaConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, seq=8, batch=1)
+    entry: dict[str, Any] = {
+        "status": "ok",
+        "parity_ok": True,
+        "median_ms": 1.0,
+        "min_ms": 0.5,
+        "grad_max_abs_diff": 1e-7,
+        "loss_abs_diff": 0.0,
+        "python_calls": 400,
+        "calls_vs_megatron": 1.0,
+        "comm_forward": {"all_reduce": 2},
+        "comm_backward": {"all_reduce": 2},
+    }
+    for base in ("megatron", "torch_tp"):
+        entry[f"ratio_vs_{base}"] = entry[f"min_ratio_vs_{base}"] = 1.0
+    step_bench.print_table(1, cfg, {"megatron": entry, "ours_tp_api_no_overlap": dict(entry)})
+    lines = capsys.readouterr().out.splitlines()
+    ours = [line for line in lines if "ours_tp_api_no_overlap" in line]
+    megatron = [line for line in lines if line.split()[:1] == ["megatron"]]
+    assert len(ours) == len(megatron) == 3, lines  # timings, calls, collectives
+    for short, long in zip(megatron, ours, strict=True):
+        # the first figure after the name starts in the same column on both rows
+        second = short.split()[1]
+        assert short.index(second, len("   megatron")) == long.index(
+            long.split()[1], len("   ours_tp_api_no_overlap")
+        ), (short, long)

@@ -266,3 +266,22 @@ def test_local_map_boundary_is_one_node_each_way_and_matches_one_device_and_unfu
         assert result["fused.w2.grad_placements"] == (Shard(1),)
         assert result["swap_seen"]
         assert result["checkpoint_same"]
+
+
+def test_boundary_reduces_locally_only_partial_to_replicate() -> None:
+    from hyper_parallel.dmodule.local_map import reduce_moves
+
+    # the boundary's own all-reduce path covers exactly the moves redistribute makes with
+    # all-reduces alone; anything else goes through redistribute (the unfused oracle above)
+    assert reduce_moves((Partial(),), (Replicate(),)) == [(0, "sum")]
+    assert reduce_moves((Partial("avg"), Shard(1)), (Replicate(), Shard(1))) == [(0, "avg")]
+    assert reduce_moves((Replicate(), Partial("max")), (Replicate(), Replicate())) == [(1, "max")]
+    assert reduce_moves((Shard(0),), (Shard(0),)) == []
+    for src, dst in [
+        ((Shard(0),), (Replicate(),)),  # all-gather
+        ((Partial(),), (Shard(0),)),  # reduce-scatter
+        ((Replicate(),), (Shard(0),)),  # local slice
+        ((Shard(0),), (Shard(1),)),  # all-to-all
+        ((Replicate(),), (Partial(),)),
+    ]:
+        assert reduce_moves(src, dst) is None, (src, dst)

@@ -30,7 +30,7 @@ from hyper_parallel.dtensor import (
     init_device_mesh,
     strict_mode,
 )
-from hyper_parallel.dtensor._dispatch import Dispatcher
+from hyper_parallel.dtensor._dispatch import Dispatcher, detach_alias
 from hyper_parallel.dtensor._registry import Decision, Declined, OpCall, RuleRegistry
 from hyper_parallel.dtensor.debug import explain
 
@@ -168,12 +168,51 @@ def _keys_agree(world_size: int) -> list[str]:
         (aten.mul.Tensor, (x, torch.tensor(2.0)), {}),
         (aten._foreach_add.List, ([x, y], [y, y]), {}),
     ]
+    calls += [  # positional DTensors and scalars only: the fast path of a cache hit
+        (aten.add.Tensor, (x, x), {}),
+        (aten.mul.Tensor, (x, 2), {}),
+        (aten.add.Tensor, (y, False), {}),
+        (aten.clone.default, (y,), {}),
+        (aten.t.default, (y,), {}),
+        (aten.transpose.int, (x, 0, 1), {}),
+        (aten._to_copy.default, (x,), {"dtype": torch.float64}),
+    ]
     missing = []
     for func, args, kwargs in calls:
-        dispatcher.dispatch(func, args, kwargs, specials=False)
+        first = dispatcher.dispatch(func, args, kwargs, specials=False)
         if dispatcher.cache_key(func, args, kwargs) not in dispatcher.op_info(func).plans:
             missing.append(f"{func} {args!r:.60} {kwargs}")
+        # the second call hits the cache (by the fast path where it applies): no new
+        # derivation, and the general path's result
+        derived = dispatcher.derivations
+        second = dispatcher.dispatch(func, args, kwargs, specials=False)
+        if dispatcher.derivations != derived:
+            missing.append(f"re-derived: {func} {args!r:.60} {kwargs}")
+        for a, b in zip(_tensors(first), _tensors(second), strict=True):
+            if a._spec != b._spec or not torch.equal(a._local_tensor, b._local_tensor):
+                missing.append(f"results differ: {func} {args!r:.60} {kwargs}")
+    # detach, run inline, is its registered special (detach_alias)
+    inline = x.detach()
+    special = detach_alias(aten.detach.default, (x,), {})
+    assert isinstance(inline, DTensor) and isinstance(special, DTensor)
+    if not (
+        type(inline) is type(special)
+        and inline._spec is special._spec is x._spec
+        and torch.equal(inline._local_tensor, special._local_tensor)
+        and inline._local_tensor.data_ptr() == x._local_tensor.data_ptr()
+        and not inline.requires_grad
+        and inline is not x
+    ):
+        missing.append("detach inline differs from detach_alias")
     return missing
+
+
+def _tensors(value: Any) -> list[DTensor]:
+    if isinstance(value, DTensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 @world_sizes(2)

@@ -82,3 +82,18 @@ def test_partial_rejects_an_unknown_reduce_op() -> None:
 def test_partial_prod_is_torchs_other_spelling_of_product() -> None:
     assert Partial("prod") == Partial("product")
     assert Partial("prod").reduce_op == "product"
+
+
+def test_one_object_per_placement_value() -> None:
+    # equality and hashing are identity's (the dispatcher's keys rely on it), so equal
+    # values must be one object, however they were made
+    assert Shard(1) is Shard(1) and Replicate() is Replicate() and Partial() is Partial("sum")
+    assert Partial("prod") is Partial("product")
+    assert Shard(-1) is not Shard(1)
+    for p in ALL:
+        assert pickle.loads(pickle.dumps(p)) is p and copy.deepcopy(p) is p
+    # an interned Shard(1) does not let a bool through: True == 1, but Shard(True) is an error
+    with pytest.raises(TypeError, match="expected an int tensor dimension"):
+        Shard(True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Partial\\(reduce_op\\)"):
+        Partial("mean")  # type: ignore[arg-type]

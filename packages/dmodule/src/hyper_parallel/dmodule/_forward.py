@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +17,6 @@ from hyper_parallel.dmodule.local_map import (
     enter_local,
     exit_local,
     local_states,
-    swap_back,
-    swap_in,
 )
 from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
@@ -211,48 +210,57 @@ class ForwardPlan:
             with local_states(module):
                 outputs = forward(module, *args, **kwargs)
             return self.finish_outputs(outputs)
+        # Every call runs this: loops over the arguments and states are written so that
+        # they make no Python call per item (exact-type checks first, no list methods).
         names = self.positional_names
+        n_names = len(names)
+        io = self._input_io
         steps: list[InputStep] = []
         values: list[torch.Tensor] = []
         where: list[int | str] = []
         for i, value in enumerate(args):
-            if isinstance(value, torch.Tensor):
-                step = self._input_step(names[i] if i < len(names) else None, value)
+            t = type(value)
+            if t is DTensor or t is torch.Tensor or isinstance(value, torch.Tensor):
+                name = names[i] if i < n_names else None
+                step = _input_step(io[name] if name in io else None, value)  # noqa: SIM401 (no call)
                 if step is not None:
-                    steps.append(step)
-                    values.append(value)
-                    where.append(i)
-        for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor):
-                step = self._input_step(name, value)
-                if step is not None:
-                    steps.append(step)
-                    values.append(value)
-                    where.append(name)
+                    steps += (step,)
+                    values += (value,)
+                    where += (i,)
+        if kwargs:
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    step = _input_step(io[name] if name in io else None, value)  # noqa: SIM401 (no call)
+                    if step is not None:
+                        steps += (step,)
+                        values += (value,)
+                        where += (name,)
         local_inputs, slots, views = enter_local(module, self.mesh, steps, values)
         if local_inputs:
             new_args, kwargs = list(args), dict(kwargs)
             for key, local in zip(where, local_inputs, strict=True):
-                if isinstance(key, int):
+                if type(key) is int:
                     new_args[key] = local
                 else:
-                    kwargs[key] = local
+                    kwargs[key] = local  # type: ignore[index]  # a str (mypy narrows isinstance only)
             args = tuple(new_args)
-        swap_in(slots, views)
+        for (states, name, _), view in zip(slots, views, strict=True):  # swap_in, inline
+            states[name] = view
         try:
             outputs = forward(module, *args, **kwargs)
         finally:
-            swap_back(slots)
+            for states, name, state in slots:  # swap_back, inline
+                states[name] = state
         return self._finish_local(outputs)
 
-    def _input_step(self, name: str | None, value: torch.Tensor) -> InputStep | None:
-        src = self.in_src.get(name) if name is not None else None
-        dst = self.in_dst.get(name) if name is not None else None
-        grad = self.in_grad.get(name) if name is not None else None
-        if isinstance(value, DTensor):
-            return InputStep(None, dst, grad)
-        layout = src if src is not None else dst
-        return None if layout is None else InputStep(layout, dst, grad)
+    @functools.cached_property
+    def _input_io(self) -> dict[str | None, tuple[Placements | None, ...]]:
+        """``(in_src, in_dst, in_grad)`` per named input that declares any (derived once)."""
+        named = set(self.in_src) | set(self.in_dst) | set(self.in_grad)
+        return {
+            name: (self.in_src.get(name), self.in_dst.get(name), self.in_grad.get(name))
+            for name in named
+        }
 
     def _finish_local(self, outputs: Any) -> Any:
         """``finish_outputs`` with every plain output that needs a gradient wrapped in one node."""
@@ -269,7 +277,7 @@ class ForwardPlan:
             dst_p = dst.placements if dst is not None else None
             layout = src_p if src_p is not None else dst_p
             assert layout is not None
-            return exit_local(self.mesh, [OutputStep(layout, dst_p)], [outputs])[0]
+            return exit_local(self.mesh, [OutputStep(layout, dst_p)], (outputs,))[0]
         pending: list[tuple[OutputStep, torch.Tensor]] = []
 
         def leaf(value: torch.Tensor, src: Placements | None, dst: Placements | None) -> Any:
@@ -390,6 +398,16 @@ class ForwardPlan:
                     f"{self.owner}: {kind}_shardings names outputs {missing} that forward did "
                     f"not return at {path}; it returned keys {sorted(map(str, value))}"
                 )
+
+
+def _input_step(io: tuple[Placements | None, ...] | None, value: torch.Tensor) -> InputStep | None:
+    """How ``value`` enters the block, given its input's ``(in_src, in_dst, in_grad)``
+    (``None``: a plain tensor passed as it is)."""
+    src, dst, grad = io if io is not None else (None, None, None)
+    if type(value) is DTensor or isinstance(value, DTensor):
+        return InputStep(None, dst, grad)
+    layout = src if src is not None else dst
+    return None if layout is None else InputStep(layout, dst, grad)
 
 
 @dataclass(frozen=True, slots=True)

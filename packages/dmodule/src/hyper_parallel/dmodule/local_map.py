@@ -35,7 +35,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Replicate
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, collectives
 
 __all__ = ["local_states"]
 
@@ -73,17 +73,22 @@ def dtensor_states(module: torch.nn.Module) -> list[StateSlot]:
         >>> dtensor_states(torch.nn.Linear(2, 2))   # plain states: none
         []
     """
+    # Every local_map call walks its module: the loop makes no Python call per state
+    # (exact-type check first, no list methods) and none for a module without children.
     found: list[StateSlot] = []
-    stack = [module]
-    while stack:
-        sub = stack.pop()
+    sub = module
+    stack: list[torch.nn.Module] = []
+    while True:
         for states in (sub._parameters, sub._buffers):
-            for name, value in states.items():
-                if isinstance(value, DTensor):
-                    found.append((states, name, value))
+            for name in states:
+                value = states[name]
+                if type(value) is DTensor or (value is not None and isinstance(value, DTensor)):
+                    found += ((states, name, value),)
         if sub._modules:
             stack += [child for child in sub._modules.values() if child is not None]
-    return found
+        if not stack:
+            return found
+        sub = stack.pop()
 
 
 # -- the states' local views, once per step ------------------------------------------------
@@ -100,21 +105,24 @@ class _View:
     view: torch.Tensor
 
 
-# module -> id(state) -> view; weak on the module only (states refuse weak references
-# under ``torch.utils.swap_tensors``, which ``Module.to_empty`` uses)
-_views: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, _View]] = weakref.WeakKeyDictionary()
+# module -> the view of each of its states, in ``dtensor_states`` order; weak on the module
+# only (states refuse weak references under ``torch.utils.swap_tensors``, which
+# ``Module.to_empty`` uses)
+_views: weakref.WeakKeyDictionary[torch.nn.Module, list[_View | None]] = weakref.WeakKeyDictionary()
 
 
 def _local_views(
     module: torch.nn.Module, slots: Sequence[StateSlot], shards: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
     """The differentiable local view of each state, reused while it is still that state's."""
-    cache = _views.get(module)
-    if cache is None:
-        cache = _views[module] = {}
+    kept = _views.get(module)
+    if kept is None or len(kept) != len(slots):
+        kept = _views[module] = [None] * len(slots)
+    # kept[i] is the view of slots[i]'s state, checked (and re-taken) without a call
+    # when it is still that state's
     out: list[torch.Tensor] = []
-    for (_, _, state), shard in zip(slots, shards, strict=True):
-        entry = cache.get(id(state))
+    for i, ((_, _, state), shard) in enumerate(zip(slots, shards, strict=True)):
+        entry = kept[i]
         if (
             entry is None
             or entry.state is not state
@@ -123,14 +131,8 @@ def _local_views(
             or entry.requires_grad != state.requires_grad
         ):
             view = state.to_local()
-            entry = cache[id(state)] = _View(
-                state, shard, shard._version, state.requires_grad, view
-            )
-        out.append(entry.view)
-    if len(cache) > len(slots):  # states replaced since: drop the stale views
-        alive = {id(state) for _, _, state in slots}
-        for key in [key for key in cache if key not in alive]:
-            del cache[key]
+            entry = kept[i] = _View(state, shard, shard._version, state.requires_grad, view)
+        out += (entry.view,)
     return out
 
 
@@ -163,12 +165,16 @@ def grad_target(forward: Placements, grad: Placements) -> Placements:
         >>> grad_target((Replicate(),), (Partial(),))
         (Replicate(),)
     """
-    return tuple(
+    key = (forward, grad)  # placements hash by identity: no Python call to look up
+    if key in _grad_targets:
+        return _grad_targets[key]
+    target = tuple(
         [
             Replicate() if fwd.is_partial() and not cur.is_partial() else fwd
             for fwd, cur in zip(forward, grad, strict=True)
         ]
     )
+    return _remember(_grad_targets, key, target)
 
 
 def partial_to_replicate(placements: Placements) -> Placements:
@@ -180,7 +186,56 @@ def partial_to_replicate(placements: Placements) -> Placements:
         >>> partial_to_replicate((Partial(),))
         (Replicate(),)
     """
-    return tuple([Replicate() if p.is_partial() else p for p in placements])
+    if placements in _leaf_grads:
+        return _leaf_grads[placements]
+    target = tuple([Replicate() if p.is_partial() else p for p in placements])
+    return _remember(_leaf_grads, placements, target)
+
+
+# Both are asked on every backward through the boundary: their answers are kept.
+_grad_targets: dict[tuple[Placements, Placements], Placements] = {}
+_leaf_grads: dict[Placements, Placements] = {}
+
+
+def _remember(table: dict[Any, Placements], key: Any, value: Placements) -> Placements:
+    if len(table) > 1024:  # bounded, as the layout caches of hp-dtensor
+        table.clear()
+    table[key] = value
+    return value
+
+
+def reduce_moves(src: Placements, dst: Placements) -> list[tuple[int, str]] | None:
+    """The all-reduces ``(mesh axis, reduce op)`` that move ``src`` to ``dst`` when the move is
+    only Partial -> Replicate (``[]``: nothing moves); ``None`` for any other move.
+
+    The boundary runs these on the local tensor itself: the collectives ``redistribute``
+    issues for such a move, without building a DTensor to redistribute.
+
+    Example::
+
+        >>> from hyper_parallel.dtensor import Partial, Shard
+        >>> reduce_moves((Partial(), Shard(0)), (Replicate(), Shard(0)))
+        [(0, 'sum')]
+        >>> reduce_moves((Shard(0),), (Replicate(),)) is None   # an all-gather
+        True
+    """
+    moves: list[tuple[int, str]] = []
+    for axis, (s, d) in enumerate(zip(src, dst, strict=True)):
+        if s is d:  # placements are one object per value
+            continue
+        if type(s) is Partial and type(d) is Replicate:
+            moves.append((axis, s.reduce_op))
+            continue
+        return None
+    return moves
+
+
+def _all_reduce_local(
+    local: torch.Tensor, mesh: DeviceMesh, moves: Sequence[tuple[int, str]]
+) -> torch.Tensor:
+    for axis, op in moves:
+        local = collectives.all_reduce(local, mesh, axis, op)  # type: ignore[arg-type]
+    return local
 
 
 # Wrapping a local tensor as a DTensor through the subclass protocol (``__tensor_flatten__``
@@ -295,10 +350,16 @@ class _EnterLocal(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         mesh: DeviceMesh = ctx.mesh
         out: list[torch.Tensor | None] = []
+        on_mesh = mesh.get_coordinate() is not None
         for step, grad in zip(ctx.steps, grads, strict=True):
             if grad is None:
                 out.append(None)
                 continue
+            if on_mesh and step.dst is not None:
+                fast = _enter_grad_by_reduces(step, grad, mesh)
+                if fast is not None:
+                    out.append(fast)
+                    continue
             # to_local's backward: the local gradient in the declared gradient layout
             dt = wrap_local(grad, mesh, step.grad_layout, step.global_shape)
             here = step.grad_layout
@@ -314,6 +375,26 @@ class _EnterLocal(torch.autograd.Function):
                 dt = dt.redistribute(mesh, target)
             out.append(dt.to_local())
         return (None, None, None, None, *out)
+
+
+def _enter_grad_by_reduces(
+    step: InputStep, grad: torch.Tensor, mesh: DeviceMesh
+) -> torch.Tensor | None:
+    """``_EnterLocal.backward`` for one input when each of its moves is Partial -> Replicate
+    (``None`` otherwise): the same all-reduces on the local gradient, one wrap at the end."""
+    assert step.dst is not None
+    here = step.grad_layout
+    target = grad_target(step.before, here)  # enforce_layout's backward
+    moves = reduce_moves(here, target)
+    if moves is None:
+        return None
+    if step.layout is not None:  # from_local's backward
+        final = partial_to_replicate(step.layout)
+        more = reduce_moves(target, final)
+        if more is None:
+            return None
+        return _all_reduce_local(_all_reduce_local(grad, mesh, moves), mesh, more)
+    return wrap_local(_all_reduce_local(grad, mesh, moves), mesh, target, step.global_shape)
 
 
 @dataclass(slots=True)
@@ -334,11 +415,22 @@ class _ExitLocal(torch.autograd.Function):
     ) -> tuple[DTensor, ...]:
         ctx.mesh, ctx.steps = mesh, steps
         outs: list[DTensor] = []
+        on_mesh = mesh.get_coordinate() is not None
         for step, value in zip(steps, values, strict=True):
-            dt = wrap_local(value.detach(), mesh, step.layout)
-            step.global_shape = tuple(dt.shape)
+            local = value.detach()
             if step.dst is not None and step.dst != step.layout:
+                moves = reduce_moves(step.layout, step.dst) if on_mesh else None
+                if moves is not None:  # Partial -> Replicate: all-reduce the local tensor
+                    dt = wrap_local(_all_reduce_local(local, mesh, moves), mesh, step.dst)
+                    step.global_shape = tuple(dt.shape)  # the even shape of either layout
+                    outs.append(dt)
+                    continue
+                dt = wrap_local(local, mesh, step.layout)
+                step.global_shape = tuple(dt.shape)
                 dt = dt.redistribute(mesh, step.dst)
+            else:
+                dt = wrap_local(local, mesh, step.layout)
+                step.global_shape = tuple(dt.shape)
             outs.append(dt)
         ctx.set_materialize_grads(False)
         return tuple(outs)

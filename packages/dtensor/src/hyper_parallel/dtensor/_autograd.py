@@ -79,6 +79,8 @@ def _leaf_grad_hook(
     target = partial_to_replicate(spec.placements)
 
     def to_leaf_layout(grad: torch.Tensor) -> torch.Tensor | None:
+        if type(grad) is tensor_type and grad._spec.placements == target:  # type: ignore[attr-defined]
+            return None  # the common case, checked without a call: already the leaf's layout
         grad_dt = _as_dtensor_grad(tensor_type, grad, spec)
         if grad_dt._spec.placements == target and grad_dt is grad:
             return None  # already laid out like the leaf: nothing to do
@@ -144,12 +146,18 @@ class ToLocal(torch.autograd.Function):
         ctx.spec = dt._spec
         ctx.tensor_type = type(dt)
         ctx.grad_placements = grad_placements
+        ctx.grad_spec = None  # the gradient's spec, once known (see backward)
         local = dt._local_tensor
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
-        return ctx.tensor_type(grad, _grad_spec(ctx.spec, ctx.grad_placements, grad.dtype)), None
+        # A kept node (hp-dmodule reuses a parameter's local view across steps) runs this
+        # every step: its gradient spec is kept on the node, per gradient dtype.
+        known: DTensorSpec | None = ctx.grad_spec
+        if known is None or known.tensor_meta.dtype is not grad.dtype:
+            known = ctx.grad_spec = _grad_spec(ctx.spec, ctx.grad_placements, grad.dtype)
+        return ctx.tensor_type(grad, known), None
 
 
 @functools.lru_cache(maxsize=4096)

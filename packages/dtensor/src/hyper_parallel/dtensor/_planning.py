@@ -162,6 +162,19 @@ class Plan:
     returns_list: bool = False
     decision: Decision | None = None  # the rule's answer (None for a fallback plan)
     cost: float = 0.0  # bytes a rank sends: input moves and in-kernel reductions (estimate)
+    # nothing moves or is rewritten, one result wrapped as ``single``: the dispatcher's
+    # fast path runs ``fn`` on the local arguments itself (what ``run_plan`` would do)
+    direct: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        direct = (
+            not self.fallback
+            and not self.outside
+            and not self.moves
+            and self.rewrite is None
+            and self.single is not None
+        )
+        object.__setattr__(self, "direct", direct)
 
 
 def derive_op_info(func: torch._ops.OpOverload, registry: RuleRegistry) -> OpInfo:

@@ -91,12 +91,23 @@ class DTensorSpec:
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
+        if type(other) is not DTensorSpec and not isinstance(other, DTensorSpec):
+            return False
+        # TensorMeta's and DeviceMesh's equality inlined, identity first: the plan cache
+        # compares equal specs of distinct objects on every hit
+        meta, theirs = self.tensor_meta, other.tensor_meta
         return (
-            isinstance(other, DTensorSpec)
-            and self._hash == other._hash
+            self._hash == other._hash
             and self.placements == other.placements
-            and self.tensor_meta == other.tensor_meta
-            and self.mesh == other.mesh
+            and (
+                meta is theirs
+                or (
+                    meta.shape == theirs.shape
+                    and meta.stride == theirs.stride
+                    and meta.dtype == theirs.dtype
+                )
+            )
+            and (self.mesh is other.mesh or self.mesh == other.mesh)
         )
 
     def __hash__(self) -> int:

@@ -175,6 +175,8 @@ class DeviceMesh:
             >>> mesh.axis_index("tp"), mesh.axis_index(-1)  # mesh axes ("dp", "tp")
             (1, 1)
         """
+        if type(axis) is int and 0 <= axis < self.ndim:
+            return axis  # the common case (every collective asks), checked without a call
         if isinstance(axis, str):
             if self.mesh_dim_names is None:
                 raise ValueError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Partial", "Placement", "ReduceOp", "Replicate", "Shard"]
 
@@ -10,11 +10,17 @@ ReduceOp = Literal["sum", "avg", "product", "max", "min"]
 _REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "max", "min")
 
 
+# Every placement value's one object, per class (see Placement).
+_instances_of: dict[type, dict[Any, Any]] = {}
+
+
 class Placement:
     """Base class of the placements of a tensor along one mesh axis.
 
     Placements are immutable values: equal by value, hashable, and printed as the
-    expression that made them.
+    expression that made them. There is one object per value (``Shard(0) is Shard(0)``),
+    so equality and hashing are identity's: the dispatcher compares and hashes
+    placements in every cache key, and identity costs no Python call there.
 
     Example::
 
@@ -23,6 +29,10 @@ class Placement:
     """
 
     __slots__ = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _instances_of[cls] = {}
 
     def is_shard(self, dim: int | None = None) -> bool:
         """True for ``Shard`` (of ``dim``, when given)."""
@@ -58,19 +68,19 @@ class Shard(Placement):
     __slots__ = ("dim",)
     dim: int
 
-    def __init__(self, dim: int) -> None:
+    def __new__(cls, dim: int) -> Shard:
+        interned = _instances_of[cls]
+        key = (type(dim), dim)  # the type too: True == 1, and Shard(True) must still raise
+        if key in interned:  # subscripts, not dict.get: no Python call on the common path
+            return interned[key]  # type: ignore[no-any-return]
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"Shard(dim): expected an int tensor dimension, found {dim!r}")
-        object.__setattr__(self, "dim", dim)
+        found = interned[key] = object.__new__(cls)
+        object.__setattr__(found, "dim", int(dim))
+        return found  # type: ignore[no-any-return]
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or self.dim == dim
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Shard) and other.dim == self.dim
-
-    def __hash__(self) -> int:
-        return hash(("Shard", self.dim))
 
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
@@ -90,14 +100,15 @@ class Replicate(Placement):
 
     __slots__ = ()
 
+    def __new__(cls) -> Replicate:
+        interned = _instances_of[cls]
+        if () in interned:
+            return interned[()]  # type: ignore[no-any-return]
+        found = interned[()] = object.__new__(cls)
+        return found  # type: ignore[no-any-return]
+
     def is_replicate(self) -> bool:
         return True
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Replicate)
-
-    def __hash__(self) -> int:
-        return hash("Replicate")
 
     def __repr__(self) -> str:
         return "Replicate()"
@@ -122,23 +133,26 @@ class Partial(Placement):
     __slots__ = ("reduce_op",)
     reduce_op: ReduceOp
 
-    def __init__(self, reduce_op: ReduceOp | Literal["prod"] = "sum") -> None:
-        if reduce_op == "prod":
-            reduce_op = "product"
-        if reduce_op not in _REDUCE_OPS:
+    def __new__(cls, reduce_op: ReduceOp | Literal["prod"] = "sum") -> Partial:
+        interned = _instances_of[cls]
+        key = (type(reduce_op), reduce_op)
+        if key in interned:
+            return interned[key]  # type: ignore[no-any-return]
+        name = "product" if reduce_op == "prod" else reduce_op
+        if name not in _REDUCE_OPS:
             raise ValueError(
-                f"Partial(reduce_op): expected one of {_REDUCE_OPS} (or 'prod'), found {reduce_op!r}"
+                f"Partial(reduce_op): expected one of {_REDUCE_OPS} (or 'prod'), found "
+                f"{reduce_op!r}"
             )
-        object.__setattr__(self, "reduce_op", reduce_op)
+        found = interned.get((str, name))
+        if found is None:
+            found = interned[(str, name)] = object.__new__(cls)
+            object.__setattr__(found, "reduce_op", str(name))
+        interned[key] = found
+        return found  # type: ignore[no-any-return]
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or self.reduce_op == reduce_op
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Partial) and other.reduce_op == self.reduce_op
-
-    def __hash__(self) -> int:
-        return hash(("Partial", self.reduce_op))
 
     def __repr__(self) -> str:
         return f"Partial(reduce_op={self.reduce_op!r})"

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.dtensor._dispatch import detach_alias
 from hyper_parallel.dtensor._redistribute import PlacementError, redistribute_local
 from hyper_parallel.dtensor._registry import register_special
 from hyper_parallel.dtensor._spec import (
@@ -20,10 +21,8 @@ from hyper_parallel.dtensor.collectives import all_reduce_over
 aten = torch.ops.aten
 
 
-@register_special(aten.detach.default)
-def _detach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTensor:
-    x: DTensor = args[0]
-    return DTensor(x._local_tensor.detach(), x._spec)
+# the dispatcher runs this one inline (AccumulateGrad detaches every gradient it stores)
+register_special(aten.detach.default)(detach_alias)
 
 
 @register_special(aten._fused_sdp_choice.default)
