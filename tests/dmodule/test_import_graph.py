@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests._package_files import module_file
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PACKAGE = _ROOT / "packages" / "dmodule" / "src" / "hyper_parallel" / "dmodule"
@@ -28,14 +29,7 @@ def _files() -> list[str]:
 
 def _module_file(module: str) -> str | None:
     """The package file of a dotted module name (``None``: not a file of hp-dmodule)."""
-    if module != _NAME and not module.startswith(_NAME + "."):
-        return None
-    parts = module[len(_NAME) :].lstrip(".").split(".") if module != _NAME else []
-    base = _PACKAGE.joinpath(*parts)
-    if base.is_dir():
-        return (base / "__init__.py").relative_to(_PACKAGE).as_posix()
-    candidate = base.with_suffix(".py")
-    return candidate.relative_to(_PACKAGE).as_posix() if candidate.exists() else None
+    return module_file(_PACKAGE, _NAME, module)
 
 
 def _top_level_nodes(body: list[ast.stmt]) -> list[ast.stmt]:

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tests._package_files import module_file
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PACKAGE = _ROOT / "packages" / "dtensor" / "src" / "hyper_parallel" / "dtensor"
@@ -57,14 +58,7 @@ def _row_of(path: str, rows: list[list[str]]) -> int | None:
 
 def _module_file(module: str) -> str | None:
     """The package file of a dotted module name (``None``: not a file of hp-dtensor)."""
-    if module != _NAME and not module.startswith(_NAME + "."):
-        return None
-    parts = module[len(_NAME) :].lstrip(".").split(".") if module != _NAME else []
-    base = _PACKAGE.joinpath(*parts)
-    if base.is_dir():
-        return (base / "__init__.py").relative_to(_PACKAGE).as_posix()
-    candidate = base.with_suffix(".py")
-    return candidate.relative_to(_PACKAGE).as_posix() if candidate.exists() else None
+    return module_file(_PACKAGE, _NAME, module)
 
 
 def _imports(path: str) -> list[tuple[int, str, bool]]:
