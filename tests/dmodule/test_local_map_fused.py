@@ -1,4 +1,5 @@
-"""The local_map boundary: one autograd node in, one out, the states' views kept per step.
+"""The local_map boundary: one autograd node in, one out, the states' views (one node for
+all of a module's states) kept per step.
 
 Oracles: the same block on one device (values, gradients, SGD steps), and the unfused
 composition of ``prepare_inputs`` / ``local_states`` / ``finish_outputs`` (the same
@@ -120,7 +121,7 @@ def _fused_boundary(world_size: int) -> dict[str, Any]:
     outside_full = torch.rand(16) + 0.5
 
     # -- the autograd graph of one step: one node in and one out per call; the states'
-    #    views (one to_local node per parameter) shared by both calls
+    #    views (one node for both parameters) shared by both calls
     block = blocks["fused"]
     x = distribute_tensor(x_full, mesh, [Replicate()]).requires_grad_()
     outside = outside_full.chunk(world_size)[mesh.get_local_rank("tp")].clone().requires_grad_()
@@ -129,6 +130,7 @@ def _fused_boundary(world_size: int) -> dict[str, Any]:
     out["enter_nodes"] = names.count("_EnterLocalBackward")
     out["exit_nodes"] = names.count("_ExitLocalBackward")
     out["to_local_nodes"] = names.count("ToLocalBackward")
+    out["states_nodes"] = names.count("_StatesLocalBackward")
 
     # -- values, gradients and three SGD steps against one device; collectives and
     #    gradients against the unfused path
@@ -249,13 +251,37 @@ def _fused_boundary(world_size: int) -> dict[str, Any]:
 
     plain, checkpointed = run(False), run(True)
     out["checkpoint_same"] = all(torch.equal(plain[k], checkpointed[k]) for k in plain)
+
+    # -- a frozen state among trainable ones (the states' views are one node): it gets no
+    #    gradient and the others' are unchanged; unfreezing it re-takes the views
+    def grads_with(frozen: bool) -> dict[str, torch.Tensor | None]:
+        block.outside = None
+        block.get_parameter("w2").requires_grad_(not frozen)
+        for p in block.parameters():
+            p.grad = None
+        x = distribute_tensor(x_full, mesh, [Replicate()])
+        (block(x)["y"].to_local() ** 2).sum().backward()
+        grads: dict[str, torch.Tensor | None] = {}
+        for name in ("w1", "w2"):
+            grad = block.get_parameter(name).grad
+            grads[name] = None if grad is None else grad.full_tensor()
+        return grads
+
+    frozen, unfrozen = grads_with(True), grads_with(False)
+    out["frozen_has_no_grad"] = frozen["w2"] is None
+    out["unfrozen_has_grad"] = unfrozen["w2"] is not None
+    w1_frozen, w1_unfrozen = frozen["w1"], unfrozen["w1"]
+    out["others_unchanged"] = (
+        w1_frozen is not None and w1_unfrozen is not None and torch.equal(w1_frozen, w1_unfrozen)
+    )
     return out
 
 
 def test_local_map_boundary_is_one_node_each_way_and_matches_one_device_and_unfused() -> None:
     for result in run_on_ranks(_fused_boundary, 2, 2, timeout_s=TIMEOUT_S):
         assert result["enter_nodes"] == 2 and result["exit_nodes"] == 2, result
-        assert result["to_local_nodes"] == 2, result  # w1, w2: once for both calls
+        assert result["to_local_nodes"] == 0, result
+        assert result["states_nodes"] == 1, result  # w1 and w2: one node, once for both calls
         assert result["same_collectives"], result["collectives"]
         # forward: y's all-reduce per call; backward: y's input-gradient all-reduce per call
         # (x's, and the first call's output feeding the second); h stays sharded
@@ -266,6 +292,8 @@ def test_local_map_boundary_is_one_node_each_way_and_matches_one_device_and_unfu
         assert result["fused.w2.grad_placements"] == (Shard(1),)
         assert result["swap_seen"]
         assert result["checkpoint_same"]
+        assert result["frozen_has_no_grad"] and result["unfrozen_has_grad"], result
+        assert result["others_unchanged"], result
 
 
 def test_boundary_reduces_locally_only_partial_to_replicate() -> None:

@@ -19,10 +19,11 @@ activation checkpointing and ``torch.compile`` see plain ops. A single Function 
 the whole call would need a re-entrant backward (``torch.autograd.grad`` inside
 ``backward``), which drops those gradients and defeats both.
 
-The states' local shards are taken once per step: each DTensor parameter's ``to_local``
-view is kept and reused while the parameter object, its shard and the shard's version
-counter are unchanged (an optimizer's in-place update bumps the version, and a
-``swap_tensors`` or re-assignment changes the shard or the object).
+The states' local shards are taken once per step, all of a module's through one autograd
+node (:class:`_StatesLocal`, whose backward wraps every state's gradient): the views are
+kept and reused while each parameter object, its shard and the shard's version counter
+are unchanged (an optimizer's in-place update bumps the version, and a ``swap_tensors``
+or re-assignment changes the shard or the object).
 """
 
 from __future__ import annotations
@@ -108,32 +109,79 @@ class _View:
 # module -> the view of each of its states, in ``dtensor_states`` order; weak on the module
 # only (states refuse weak references under ``torch.utils.swap_tensors``, which
 # ``Module.to_empty`` uses)
-_views: weakref.WeakKeyDictionary[torch.nn.Module, list[_View | None]] = weakref.WeakKeyDictionary()
+_views: weakref.WeakKeyDictionary[torch.nn.Module, list[_View]] = weakref.WeakKeyDictionary()
 
 
 def _local_views(
     module: torch.nn.Module, slots: Sequence[StateSlot], shards: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """The differentiable local view of each state, reused while it is still that state's."""
+    """The differentiable local view of each state, reused while they are still the states'.
+
+    The views are taken together, through one autograd node for the whole module
+    (:class:`_StatesLocal`), and re-taken together when any state changed.
+    """
     kept = _views.get(module)
-    if kept is None or len(kept) != len(slots):
-        kept = _views[module] = [None] * len(slots)
-    # kept[i] is the view of slots[i]'s state, checked (and re-taken) without a call
-    # when it is still that state's
-    out: list[torch.Tensor] = []
-    for i, ((_, _, state), shard) in enumerate(zip(slots, shards, strict=True)):
-        entry = kept[i]
-        if (
-            entry is None
-            or entry.state is not state
-            or entry.shard is not shard
-            or entry.version != shard._version
-            or entry.requires_grad != state.requires_grad
-        ):
-            view = state.to_local()
-            entry = kept[i] = _View(state, shard, shard._version, state.requires_grad, view)
-        out += (entry.view,)
-    return out
+    if kept is not None and len(kept) == len(slots):
+        # kept[i] is the view of slots[i]'s state, checked without a call
+        for entry, (_, _, state), shard in zip(kept, slots, shards, strict=True):
+            if (
+                entry.state is not state
+                or entry.shard is not shard
+                or entry.version != shard._version
+                or entry.requires_grad != state.requires_grad
+            ):
+                break
+        else:
+            return [entry.view for entry in kept]
+    states = [state for _, _, state in slots]
+    views: Sequence[torch.Tensor] = _StatesLocal.apply(*states) if states else ()
+    _views[module] = [
+        _View(state, shard, shard._version, state.requires_grad, view)
+        for state, shard, view in zip(states, shards, views, strict=True)
+    ]
+    return list(views)
+
+
+class _StatesLocal(torch.autograd.Function):
+    """``to_local()`` of every DTensor state of one module, in one node.
+
+    The backward lays each state's local gradient out as the state (its placements, its
+    global shape, contiguous), as ``to_local``'s backward does: one backward call per
+    module and step instead of one per state.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *states: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.layouts = [(s.device_mesh, s.placements, tuple(s.shape)) for s in states]
+        # each gradient's spec, once known: the node is kept (with the views) across steps
+        ctx.grad_specs = [None] * len(states)
+        views = []
+        for state in states:
+            local = state.to_local()  # grad mode is off here: the shard itself
+            views.append(local.view_as(local))
+        idle = [view for view, state in zip(views, states, strict=True) if not state.requires_grad]
+        if idle:
+            ctx.mark_non_differentiable(*idle)
+        ctx.set_materialize_grads(False)
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:  # type: ignore[override]
+        out: list[DTensor | None] = []
+        specs = ctx.grad_specs
+        for i, grad in enumerate(grads):
+            if grad is None:
+                out += (None,)
+                continue
+            known = specs[i]
+            if known is None or known[0] is not grad.dtype:
+                mesh, placements, shape = ctx.layouts[i]
+                dt = wrap_local(grad, mesh, placements, shape)
+                specs[i] = (grad.dtype, dt.__tensor_flatten__()[1][0])
+                out += (dt,)
+                continue
+            out += (DTensor(grad, known[1]),)
+        return tuple(out)
 
 
 def clear_local_views(module: torch.nn.Module | None = None) -> None:
@@ -238,11 +286,11 @@ def _all_reduce_local(
     return local
 
 
-# Wrapping a local tensor as a DTensor through the subclass protocol (``__tensor_flatten__``
-# / ``__tensor_unflatten__``) with the flattened context of a first ``from_local`` of that
-# layout: what ``from_local`` builds, without re-deriving the layout on every call.
+# Wrapping a local tensor as a DTensor with the spec a first ``from_local`` of that layout
+# built (kept per layout): what ``from_local`` builds, without re-deriving the layout or
+# rebuilding the spec on every call.
 _WrapKey: TypeAlias = tuple[DeviceMesh, Placements, tuple[int, ...], torch.dtype, tuple[int, ...]]
-_wrap_contexts: dict[_WrapKey, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+_wrap_specs: dict[_WrapKey, Any] = {}  # the DTensor specs, as __tensor_flatten__ gives them
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -268,25 +316,38 @@ def wrap_local(
 
         dt = wrap_local(torch.ones(2, 4), mesh, (Shard(0),))   # global (4, 4) on 2 ranks
     """
-    local_shape = tuple(local.shape)
-    key = (mesh, placements, local_shape, local.dtype, global_shape or ())
-    found = _wrap_contexts.get(key)
-    if found is None:
-        probe = torch.empty(local_shape, dtype=local.dtype, device="meta")
-        with torch.no_grad():
-            if global_shape is None:
-                template = DTensor.from_local(probe, mesh, placements)
-            else:
-                template = DTensor.from_local(
-                    probe, mesh, placements, shape=global_shape, stride=_contiguous(global_shape)
-                )
-        _, context = template.__tensor_flatten__()
-        shape = tuple(template.shape)
-        found = _wrap_contexts[key] = (context, shape, _contiguous(shape))
-        if len(_wrap_contexts) > 4096:  # bounded, as the layout caches of hp-dtensor
-            _wrap_contexts.pop(next(iter(_wrap_contexts)))
-    context, shape, stride = found
-    return DTensor.__tensor_unflatten__({"_local_tensor": local}, context, shape, stride)
+    key = (mesh, placements, tuple(local.shape), local.dtype, global_shape or ())
+    spec = _wrap_specs.get(key)
+    if spec is None:
+        spec = _wrap_spec(local, mesh, placements, global_shape)
+        if len(_wrap_specs) >= 4096:  # bounded, as the layout caches of hp-dtensor
+            _wrap_specs.pop(next(iter(_wrap_specs)))
+        _wrap_specs[key] = spec
+    return DTensor(local, spec)
+
+
+def _wrap_spec(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Placements,
+    global_shape: tuple[int, ...] | None,
+) -> Any:
+    """The spec ``from_local`` gives ``local``'s shape and dtype, contiguous over the global
+    shape (taken through the subclass protocol, ``__tensor_flatten__``/``__tensor_unflatten__``)."""
+    probe = torch.empty(tuple(local.shape), dtype=local.dtype, device="meta")
+    with torch.no_grad():
+        if global_shape is None:
+            template = DTensor.from_local(probe, mesh, placements)
+        else:
+            template = DTensor.from_local(
+                probe, mesh, placements, shape=global_shape, stride=_contiguous(global_shape)
+            )
+    _, context = template.__tensor_flatten__()
+    shape = tuple(template.shape)
+    contiguous = DTensor.__tensor_unflatten__(
+        {"_local_tensor": probe}, context, shape, _contiguous(shape)
+    )
+    return contiguous.__tensor_flatten__()[1][0]
 
 
 # -- the two boundary Functions ----------------------------------------------------------------

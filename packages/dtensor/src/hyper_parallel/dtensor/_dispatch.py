@@ -119,6 +119,9 @@ class Dispatcher(Planner):
         self._infos: dict[int, OpInfo] = {}  # by id(op): the ops this dispatcher has seen
         self._inline_detach: bool | None = None  # detach_alias is detach's special (None: unknown)
         rules.watch(self._rules_changed)
+        # The class's __torch_dispatch__ is this dispatcher's torch_dispatch itself: torch
+        # calls it with (cls, func, types, args, kwargs), one Python frame per op.
+        setattr(tensor_type, "__torch_dispatch__", classmethod(self.torch_dispatch))  # noqa: B010
 
     def _rules_changed(self) -> None:
         self._infos.clear()
@@ -157,9 +160,8 @@ class Dispatcher(Planner):
         *,
         specials: bool = True,
     ) -> Any:
-        """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
+        """Run ``func`` on DTensor arguments (what ``DTensor.__torch_dispatch__`` runs).
 
-        This is the hot path of every op: one key, one lookup, no per-call derivation.
         ``specials=False`` bypasses the op's whole-call handler (a special that hands
         the call back to the op's rule).
 
@@ -167,6 +169,27 @@ class Dispatcher(Planner):
 
             DTensor._op_dispatcher.dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})
         """
+        return self.torch_dispatch(self.tensor_type, func, (), args, kwargs, specials)
+
+    def torch_dispatch(
+        self,
+        cls: type,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        specials: bool = True,
+    ) -> Any:
+        """The tensor class's ``__torch_dispatch__`` (installed there by ``__init__``).
+
+        This is the hot path of every op: one key, one lookup, no per-call derivation.
+
+        Example::
+
+            DTensor.__torch_dispatch__(torch.ops.aten.add.Tensor, (DTensor,), (dt, dt), {})
+        """
+        if kwargs is None:
+            kwargs = {}
         tensor_type = self.tensor_type
         if func is _DETACH and specials:
             inline = self._inline_detach

@@ -82,24 +82,18 @@ class DTensor(torch.Tensor):
         r._spec = spec
         # A lazily conjugated (or negated) local makes a lazily conjugated DTensor, as in
         # torch: later ops then see the bit on the wrapper and resolve it, instead of
-        # reading the unconjugated memory of the local view.
-        if local_tensor.is_conj():
+        # reading the unconjugated memory of the local view. Only a complex tensor can be
+        # conjugated lazily (a real one's conj() is itself); a real one can be negated
+        # lazily (``z.conj().imag``, ``torch._neg_view``).
+        if meta.dtype.is_complex and local_tensor.is_conj():
             torch._C._set_conj(r, True)
         if local_tensor.is_neg():
             torch._C._set_neg(r, True)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        return cls._op_dispatcher.dispatch(func, args, kwargs or {})
+    # __torch_dispatch__ is the class's Dispatcher's ``torch_dispatch``: the Dispatcher
+    # installs it on the class it is built for (``_op_dispatcher``, below the class).
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)

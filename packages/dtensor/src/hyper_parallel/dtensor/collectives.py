@@ -124,11 +124,11 @@ def all_gather(
 
         stacked = all_gather(torch.tensor([mesh.get_local_rank("tp")]), mesh, "tp")  # [[0], [1]]
     """
-    size = mesh.size(axis)
+    size, group = mesh._size_and_group(axis)
     _report("all_gather", tensor, mesh, axis, size)
     if async_op:
-        return get_platform().all_gather(tensor, mesh.get_group(axis), async_op=True)
-    return get_platform().all_gather(tensor, mesh.get_group(axis))
+        return get_platform().all_gather(tensor, group, async_op=True)
+    return get_platform().all_gather(tensor, group)
 
 
 def all_reduce(
@@ -147,11 +147,11 @@ def all_reduce(
         pending = all_reduce(grad, mesh, "tp", async_op=True)   # overlap with other work
         grad = wait(pending)
     """
-    size = mesh.size(axis)
+    size, group = mesh._size_and_group(axis)
     _report("all_reduce", tensor, mesh, axis, size)
     if async_op:
-        return get_platform().all_reduce(tensor, mesh.get_group(axis), reduce_op, async_op=True)
-    return get_platform().all_reduce(tensor, mesh.get_group(axis), reduce_op)
+        return get_platform().all_reduce(tensor, group, reduce_op, async_op=True)
+    return get_platform().all_reduce(tensor, group, reduce_op)
 
 
 def all_reduce_over(
@@ -182,9 +182,8 @@ def reduce_scatter(
 
         mine = reduce_scatter(torch.ones(2, 3), mesh, "tp")   # tensor([2., 2., 2.]) on 2 ranks
     """
-    size = mesh.size(axis)
+    size, group = mesh._size_and_group(axis)
     _report("reduce_scatter", stacked, mesh, axis, size)
-    group = mesh.get_group(axis)
     if async_op:
         return get_platform().reduce_scatter(stacked, group, reduce_op, async_op=True)
     return get_platform().reduce_scatter(stacked, group, reduce_op)
@@ -199,11 +198,11 @@ def all_to_all(
 
         exchanged = all_to_all(torch.arange(2).view(2, 1), mesh, "tp")
     """
-    size = mesh.size(axis)
+    size, group = mesh._size_and_group(axis)
     _report("all_to_all", stacked, mesh, axis, size)
     if async_op:
-        return get_platform().all_to_all(stacked, mesh.get_group(axis), async_op=True)
-    return get_platform().all_to_all(stacked, mesh.get_group(axis))
+        return get_platform().all_to_all(stacked, group, async_op=True)
+    return get_platform().all_to_all(stacked, group)
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
@@ -227,9 +226,9 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, src: int = 0) 
 
         value = broadcast(torch.tensor([mesh.get_local_rank("tp")]), mesh, "tp", 0)  # [0]
     """
-    size = mesh.size(axis)
+    size, group = mesh._size_and_group(axis)
     _report("broadcast", tensor, mesh, axis, size)
-    return get_platform().broadcast(tensor, mesh.get_group(axis), src)
+    return get_platform().broadcast(tensor, group, src)
 
 
 def scatter(
@@ -248,9 +247,9 @@ def scatter(
         mine = scatter([torch.zeros(2), torch.ones(2)] if rank == 0 else None,
                        torch.empty(2), mesh, "tp", 0)
     """
-    size = mesh.size(axis)
+    size, group = mesh._size_and_group(axis)
     _report("scatter", like, mesh, axis, size)
-    return get_platform().scatter(chunks, like, mesh.get_group(axis), src)
+    return get_platform().scatter(chunks, like, group, src)
 
 
 def any_rank(flag: bool, mesh: DeviceMesh, device: torch.device | str = "cpu") -> bool:

@@ -138,6 +138,7 @@ class DeviceMesh:
         self.ndim = len(self._shape)
         self._groups = dict(groups) if groups is not None else self._create_groups()
         self._sub_meshes: dict[tuple[str, ...], DeviceMesh] = {}
+        self._axis_groups: dict[tuple[Axis, type], tuple[int, ProcessGroup]] = {}
         self._value_key: MeshKey = (
             device_type,
             self._shape,
@@ -263,6 +264,15 @@ class DeviceMesh:
                 "DeviceMesh with the same ranks and names) before loading"
             )
         return group
+
+    def _size_and_group(self, axis: Axis) -> tuple[int, ProcessGroup]:
+        """``(self.size(axis), self.get_group(axis))``, kept per axis (every collective asks;
+        raises as they do)."""
+        key = (axis, type(axis))
+        found = self._axis_groups.get(key)
+        if found is None:
+            found = self._axis_groups[key] = (self.size(axis), self.get_group(axis))
+        return found
 
     # -- sub-meshes ----------------------------------------------------------------
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
