@@ -7,7 +7,10 @@ implementations, interleaved in one process group so machine noise hits them ali
 Before timing, every implementation's loss and gathered gradients must match the
 single-device reference (``bench.common.llama.loss_and_grads``); a mismatch or an
 implementation that raises is printed loudly and makes the exit code 1. An implementation
-whose module cannot be imported is reported as skipped.
+whose module cannot be imported is reported as skipped. ``--optimizer`` adds an AdamW
+(``foreach=True``) step to every timed step, the whole train step a user runs (each
+implementation's optimizer over its own parameters: local shards for Megatron, DTensors for
+the others), and reports the optimizer step's function calls apart.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ def summarize(
                 "grad_max_abs_diff",
                 "parity_ok",
                 "python_calls",
+                "optimizer_calls",
             )
         }
         entry["comm_forward"] = first.get("comm_forward", {})
@@ -165,6 +169,11 @@ def print_table(
             ratio = e.get("calls_vs_megatron")
             vs = f"  ({ratio:.2f}x megatron)" if ratio is not None else ""
             print(f"   {name:<{width}}{e['python_calls']:>9}{vs}")
+    if any(e["status"] == "ok" and e.get("optimizer_calls") for e in summary.values()):
+        print("   function calls of the optimizer step (AdamW, foreach; rank 0)")
+        for name, e in summary.items():
+            if e["status"] == "ok":
+                print(f"   {name:<{width}}{e.get('optimizer_calls', 0):>9}")
     print(f"   collectives per step (Megatron minimum: all_reduce={minimum} fwd, {minimum} bwd)")
     for name, e in summary.items():
         if e["status"] == "ok":
@@ -188,6 +197,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="time an AdamW(foreach=True) step after each backward (a whole train step)",
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these implementations")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per world size")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -234,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         iters=args.iters,
         warmup=args.warmup,
         seed=args.seed,
+        optimizer=args.optimizer,
     )
     preload_rank_imports(path.partition(":")[0] for path in implementations.values())
     results: list[dict[str, Any]] = []
@@ -261,8 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads_per_rank": 1,
             "timing": (
                 "median and minimum over iterations of the slowest rank's "
-                "zero_grad+forward+backward"
+                "zero_grad+forward+backward" + ("+AdamW(foreach) step" if args.optimizer else "")
             ),
+            "optimizer": "AdamW(lr=1e-4, foreach=True)" if args.optimizer else None,
         }
         payload = {"meta": meta, "skipped": skipped, "results": results}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -86,6 +86,10 @@ class MegatronStep:
         for param in self.params.values():
             param.grad = None
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The local shards and replicated tensors an optimizer steps."""
+        return list(self.params.values())
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients: sharded ones all-gathered, replicated ones as they are (collective)."""
         grads: dict[str, torch.Tensor] = {}

@@ -89,6 +89,10 @@ class TorchTPStep:
         """Drop every gradient."""
         self.model.zero_grad(set_to_none=True)
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's parameters (DTensors and plain), for an optimizer."""
+        return list(self.model.parameters())
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients: DTensor ones via ``full_tensor()`` (collective), plain ones as they are."""
         grads: dict[str, torch.Tensor] = {}

@@ -45,6 +45,10 @@ class TrainStep(Protocol):
         """
         ...
 
+    def parameters(self) -> list[torch.Tensor]:
+        """What an optimizer steps: this rank's parameters (local shards or DTensors)."""
+        ...
+
 
 StepFactory = Callable[[LlamaConfig, Mapping[str, torch.Tensor], TPContext], TrainStep]
 """Builds a rank's ``TrainStep`` from the shapes, the full weights and the rank's context."""

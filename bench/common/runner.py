@@ -60,6 +60,7 @@ class BenchJob:
     seed: int = 0
     rtol: float = 1e-4
     atol: float = 1e-5
+    optimizer: bool = False  # time an AdamW (foreach) step after each backward too
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ImplResult:
     comm_backward: dict[str, int] = field(default_factory=dict)
     times_s: list[float] = field(default_factory=list)
     python_calls: int = 0  # function calls (Python and builtin) of one step, counted by cProfile
+    optimizer_calls: int = 0  # those of the optimizer's step alone (0: no optimizer step)
 
 
 def load_factory(path: str) -> StepFactory:
@@ -177,6 +179,8 @@ def _bench_config(
             result.status, result.error = "error", "failed on another rank"
 
     names = list(steps)
+    # after the parity step, so every implementation is checked on the same weights
+    optimizers = {name: _optimizer(steps[name]) for name in names} if job.optimizer else {}
     for it in range(job.warmup + job.iters):
         # rotate the order every iteration so no implementation always runs first after a barrier
         shift = it % max(len(names), 1)
@@ -186,6 +190,8 @@ def _bench_config(
             start = time.perf_counter()
             step.zero_grad()
             torch.autograd.backward(step.forward_loss(tokens, targets))
+            if optimizers:
+                optimizers[name].step()
             elapsed = time.perf_counter() - start
             if it >= job.warmup:
                 results[name].times_s.append(elapsed)
@@ -198,7 +204,18 @@ def _bench_config(
         torch.autograd.backward(step.forward_loss(tokens, targets))
         profile.disable()
         results[name].python_calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
+        if optimizers:
+            profile = cProfile.Profile()
+            profile.enable()
+            optimizers[name].step()
+            profile.disable()
+            results[name].optimizer_calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
     return results
+
+
+def _optimizer(step: TrainStep) -> torch.optim.Optimizer:
+    """The optimizer a user would pick: AdamW over the step's parameters, foreach kernels."""
+    return torch.optim.AdamW(step.parameters(), lr=1e-4, foreach=True)
 
 
 def run_bench_rank(job: BenchJob) -> list[dict[str, dict[str, Any]]]:

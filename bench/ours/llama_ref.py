@@ -68,6 +68,10 @@ class ReferenceLlamaStep:
         """Drop every gradient."""
         zero_grads(self.params)
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's parameters (DTensors), for an optimizer."""
+        return list(self.params.values())
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient as a full tensor (collective)."""
         return full_grads(self.params)

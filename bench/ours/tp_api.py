@@ -49,6 +49,9 @@ class _WithoutOverlap:
     def full_grads(self) -> dict[str, torch.Tensor]:
         return self._step.full_grads()
 
+    def parameters(self) -> list[torch.Tensor]:
+        return self._step.parameters()
+
 
 def build_hp_tp_step_no_overlap(
     cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext

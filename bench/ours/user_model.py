@@ -213,6 +213,10 @@ class UserModelStep:
         """Drop every gradient."""
         zero_grads(self.params)
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's parameters (DTensors), for an optimizer."""
+        return list(self.params.values())
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient as a full tensor, under the bench's parameter names (collective)."""
         return {_bench_name(name): g for name, g in full_grads(self.params).items()}

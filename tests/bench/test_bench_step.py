@@ -54,6 +54,25 @@ def test_step_bench_times_both_baselines_with_parity_and_writes_json(tmp_path: P
     assert result["impls"]["megatron"]["min_ratio_vs_megatron"] == 1.0
 
 
+def test_step_bench_optimizer_steps_every_implementation_inside_the_timed_step(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench.json"
+    argv = [*TINY_ARGS, "--optimizer", "--only", "megatron", "ours_user_model"]
+    assert step_bench.main([*argv, "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["optimizer"] == "AdamW(lr=1e-4, foreach=True)"
+    assert payload["meta"]["timing"].endswith("+AdamW(foreach) step")
+    impls = payload["results"][0]["impls"]
+    for name in ("megatron", "ours_user_model"):
+        entry = impls[name]
+        assert entry["status"] == "ok" and entry["parity_ok"], entry
+        # the profiled optimizer step ran, on this implementation's own parameters
+        assert entry["optimizer_calls"] > 0, entry
+    # hp's step runs foreach ops on DTensors: each dispatches, so it makes more calls
+    assert impls["ours_user_model"]["optimizer_calls"] > impls["megatron"]["optimizer_calls"]
+
+
 def test_step_bench_flags_wrong_and_failing_implementations_and_skips_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -119,9 +119,10 @@ class Dispatcher(Planner):
         self._infos: dict[int, OpInfo] = {}  # by id(op): the ops this dispatcher has seen
         self._inline_detach: bool | None = None  # detach_alias is detach's special (None: unknown)
         rules.watch(self._rules_changed)
-        # The class's __torch_dispatch__ is this dispatcher's torch_dispatch itself: torch
-        # calls it with (cls, func, types, args, kwargs), one Python frame per op.
-        setattr(tensor_type, "__torch_dispatch__", classmethod(self.torch_dispatch))  # noqa: B010
+        # The class's __torch_dispatch__ is the dispatch body itself (one Python frame per
+        # op), reading the class's dispatcher; this one is it from now on.
+        tensor_type._op_dispatcher = self
+        setattr(tensor_type, "__torch_dispatch__", classmethod(torch_dispatch))  # noqa: B010
 
     def _rules_changed(self) -> None:
         self._infos.clear()
@@ -169,120 +170,7 @@ class Dispatcher(Planner):
 
             DTensor._op_dispatcher.dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})
         """
-        return self.torch_dispatch(self.tensor_type, func, (), args, kwargs, specials)
-
-    def torch_dispatch(
-        self,
-        cls: type,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        specials: bool = True,
-    ) -> Any:
-        """The tensor class's ``__torch_dispatch__`` (installed there by ``__init__``).
-
-        This is the hot path of every op: one key, one lookup, no per-call derivation.
-
-        Example::
-
-            DTensor.__torch_dispatch__(torch.ops.aten.add.Tensor, (DTensor,), (dt, dt), {})
-        """
-        if kwargs is None:
-            kwargs = {}
-        tensor_type = self.tensor_type
-        if func is _DETACH and specials:
-            inline = self._inline_detach
-            if inline is None:
-                inline = self._inline_detach = self.registry.special_for(func) is detach_alias
-            if inline and not kwargs and type(args[0]) is tensor_type:
-                x = args[0]  # detach_alias, inline
-                return tensor_type(x._local_tensor.detach(), x._spec)
-        info = self._infos.get(id(func)) or self.op_info(func)
-        if specials and info.special is not None:
-            return info.special(func, args, kwargs)
-        if not kwargs:
-            # The fast path of a cache hit: positional arguments that are DTensors of this
-            # class or scalars key exactly as ``key`` keys them, built without a call per
-            # argument (a DTensor train step spends most of its Python calls in dispatch);
-            # anything else, and a miss, take the general path below. test_dispatcher
-            # checks both paths agree (the same key, the same result).
-            fast_key: tuple[Any, ...] = ()
-            fast_dts: tuple[Any, ...] = ()
-            fast_locals: tuple[Any, ...] = ()
-            for a in args:
-                t = type(a)
-                if t is tensor_type:
-                    fast_key += (a._spec,)
-                    fast_dts += (a,)
-                    fast_locals += (a._local_tensor,)
-                    continue
-                if t in _AS_IS:
-                    fast_key += (a,)
-                elif t is float:
-                    fast_key += (float if info.floats_by_type else (float, a),)
-                elif t is bool:
-                    fast_key += (_TRUE if a else _FALSE,)
-                elif t is list and a and type(a[0]) is int:
-                    fast_key += (tuple(a),)
-                else:
-                    break
-                fast_locals += (a,)
-            else:
-                plan = info.plans.get(fast_key)
-                if plan is not None:
-                    if plan.direct:
-                        return tensor_type(plan.fn(*fast_locals), plan.single)  # type: ignore[arg-type]
-                    return self.run_plan(plan, args, kwargs, list(fast_dts), list(fast_locals))
-        dtensors: list[DTensor] = []
-        parts: list[Any] = []
-        flat_locals: list[Any] = []
-        flat = True  # no DTensor inside a list or in kwargs: flat_locals is the local call
-        by_type = info.floats_by_type
-        try:
-            # Dispatcher.key inlined for the top-level arguments (it also collects the local
-            # call): calling it instead made a DTensor train step ~10% more Python calls
-            # (bench/step_bench.py, ours_dtensor); test_dispatcher checks both agree.
-            for a in args:
-                if isinstance(a, tensor_type):
-                    dtensors.append(a)
-                    parts.append(a._spec)
-                    flat_locals.append(a._local_tensor)
-                    continue
-                flat_locals.append(a)
-                if type(a) is list and a and type(a[0]) is int:
-                    parts.append(tuple(a))
-                elif isinstance(a, (list, tuple)):
-                    n = len(dtensors)
-                    parts.append(self.key(a, dtensors, by_type))
-                    if len(dtensors) != n:
-                        flat = False
-                elif isinstance(a, torch.Tensor):
-                    if a.ndim:
-                        raise _MixedTensorError
-                    parts.append((a.dtype, a.device))
-                elif type(a) is float:
-                    parts.append(float if by_type else (float, a))
-                elif type(a) is bool:
-                    parts.append(_TRUE if a else _FALSE)
-                else:
-                    parts.append(a)
-            key = tuple(parts)
-            if kwargs:
-                n = len(dtensors)
-                key = (*key, *self.key(tuple(kwargs.items()), dtensors, by_type))
-                if len(dtensors) != n:
-                    flat = False
-        except _MixedTensorError:
-            return self._mixed(func, args, kwargs)
-        try:
-            plan = info.plans.get(key)
-        except TypeError:  # an unhashable argument: plan without caching
-            plan = self.derive_plan(info, None, args, kwargs, dtensors)
-        else:
-            if plan is None:
-                plan = self.derive_plan(info, key, args, kwargs, dtensors)
-        return self.run_plan(plan, args, kwargs, dtensors, flat_locals if flat else None)
+        return torch_dispatch(self.tensor_type, func, (), args, kwargs, specials, self)
 
     def plan_for(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -458,3 +346,121 @@ class Dispatcher(Planner):
             return v
 
         return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+
+def torch_dispatch(
+    cls: type,
+    func: torch._ops.OpOverload,
+    types: Any,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    specials: bool = True,
+    self: Dispatcher | None = None,
+) -> Any:
+    """A DTensor class's ``__torch_dispatch__`` (a :class:`Dispatcher` installs it on the class
+    it is built for): run ``func`` with ``self``, by default the class's dispatcher.
+
+    This is the hot path of every op: one key, one lookup, no per-call derivation.
+    ``specials=False`` bypasses the op's whole-call handler.
+
+    Example::
+
+        DTensor.__torch_dispatch__(torch.ops.aten.add.Tensor, (DTensor,), (dt, dt), {})
+    """
+    if self is None:
+        self = cls._op_dispatcher  # type: ignore[attr-defined]
+    if kwargs is None:
+        kwargs = {}
+    tensor_type = self.tensor_type
+    if func is _DETACH and specials:
+        inline = self._inline_detach
+        if inline is None:
+            inline = self._inline_detach = self.registry.special_for(func) is detach_alias
+        if inline and not kwargs and type(args[0]) is tensor_type:
+            x = args[0]  # detach_alias, inline
+            return tensor_type(x._local_tensor.detach(), x._spec)
+    info = self._infos.get(id(func)) or self.op_info(func)
+    if specials and info.special is not None:
+        return info.special(func, args, kwargs)
+    if not kwargs:
+        # The fast path of a cache hit: positional arguments that are DTensors of this
+        # class or scalars key exactly as ``key`` keys them, built without a call per
+        # argument (a DTensor train step spends most of its Python calls in dispatch);
+        # anything else, and a miss, take the general path below. test_dispatcher
+        # checks both paths agree (the same key, the same result).
+        fast_key: tuple[Any, ...] = ()
+        fast_dts: tuple[Any, ...] = ()
+        fast_locals: tuple[Any, ...] = ()
+        for a in args:
+            t = type(a)
+            if t is tensor_type:
+                fast_key += (a._spec,)
+                fast_dts += (a,)
+                fast_locals += (a._local_tensor,)
+                continue
+            if t in _AS_IS:
+                fast_key += (a,)
+            elif t is float:
+                fast_key += (float if info.floats_by_type else (float, a),)
+            elif t is bool:
+                fast_key += (_TRUE if a else _FALSE,)
+            elif t is list and a and type(a[0]) is int:
+                fast_key += (tuple(a),)
+            else:
+                break
+            fast_locals += (a,)
+        else:
+            plan = info.plans.get(fast_key)
+            if plan is not None:
+                if plan.direct:
+                    return tensor_type(plan.fn(*fast_locals), plan.single)  # type: ignore[arg-type]
+                return self.run_plan(plan, args, kwargs, list(fast_dts), list(fast_locals))
+    dtensors: list[DTensor] = []
+    parts: list[Any] = []
+    flat_locals: list[Any] = []
+    flat = True  # no DTensor inside a list or in kwargs: flat_locals is the local call
+    by_type = info.floats_by_type
+    try:
+        # Dispatcher.key inlined for the top-level arguments (it also collects the local
+        # call): calling it instead made a DTensor train step ~10% more Python calls
+        # (bench/step_bench.py, ours_dtensor); test_dispatcher checks both agree.
+        for a in args:
+            if isinstance(a, tensor_type):
+                dtensors.append(a)
+                parts.append(a._spec)
+                flat_locals.append(a._local_tensor)
+                continue
+            flat_locals.append(a)
+            if type(a) is list and a and type(a[0]) is int:
+                parts.append(tuple(a))
+            elif isinstance(a, (list, tuple)):
+                n = len(dtensors)
+                parts.append(self.key(a, dtensors, by_type))
+                if len(dtensors) != n:
+                    flat = False
+            elif isinstance(a, torch.Tensor):
+                if a.ndim:
+                    raise _MixedTensorError
+                parts.append((a.dtype, a.device))
+            elif type(a) is float:
+                parts.append(float if by_type else (float, a))
+            elif type(a) is bool:
+                parts.append(_TRUE if a else _FALSE)
+            else:
+                parts.append(a)
+        key = tuple(parts)
+        if kwargs:
+            n = len(dtensors)
+            key = (*key, *self.key(tuple(kwargs.items()), dtensors, by_type))
+            if len(dtensors) != n:
+                flat = False
+    except _MixedTensorError:
+        return self._mixed(func, args, kwargs)
+    try:
+        plan = info.plans.get(key)
+    except TypeError:  # an unhashable argument: plan without caching
+        plan = self.derive_plan(info, None, args, kwargs, dtensors)
+    else:
+        if plan is None:
+            plan = self.derive_plan(info, key, args, kwargs, dtensors)
+    return self.run_plan(plan, args, kwargs, dtensors, flat_locals if flat else None)

@@ -92,8 +92,8 @@ class DTensor(torch.Tensor):
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-    # __torch_dispatch__ is the class's Dispatcher's ``torch_dispatch``: the Dispatcher
-    # installs it on the class it is built for (``_op_dispatcher``, below the class).
+    # __torch_dispatch__ is ``_dispatch.torch_dispatch`` as a classmethod: the Dispatcher
+    # built for the class (``_op_dispatcher``, below the class) installs it.
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
