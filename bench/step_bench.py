@@ -8,9 +8,9 @@ Before timing, every implementation's loss and gathered gradients must match the
 single-device reference (``bench.common.llama.loss_and_grads``); a mismatch or an
 implementation that raises is printed loudly and makes the exit code 1. An implementation
 whose module cannot be imported is reported as skipped. ``--optimizer`` adds an AdamW
-(``foreach=True``) step to every timed step, the whole train step a user runs (each
-implementation's optimizer over its own parameters: local shards for Megatron, DTensors for
-the others), and reports the optimizer step's function calls apart.
+(``foreach=True``, a param group per tensor type) step to every timed step, the whole train
+step a user runs (each implementation's optimizer over its own parameters: local shards for
+Megatron, DTensors for the others), and reports the optimizer step's function calls apart.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--optimizer",
         action="store_true",
-        help="time an AdamW(foreach=True) step after each backward (a whole train step)",
+        help="time an AdamW(foreach=True) step after each backward (a whole train step); "
+        "a param group per tensor type, since torch's DTensor refuses mixed foreach lists",
     )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these implementations")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per world size")
@@ -278,7 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "median and minimum over iterations of the slowest rank's "
                 "zero_grad+forward+backward" + ("+AdamW(foreach) step" if args.optimizer else "")
             ),
-            "optimizer": "AdamW(lr=1e-4, foreach=True)" if args.optimizer else None,
+            "optimizer": (
+                "AdamW(lr=1e-4, foreach=True), a param group per tensor type"
+                if args.optimizer
+                else None
+            ),
         }
         payload = {"meta": meta, "skipped": skipped, "results": results}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

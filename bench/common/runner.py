@@ -178,9 +178,22 @@ def _bench_config(
         if name not in steps and result.status == "ok":
             result.status, result.error = "error", "failed on another rank"
 
+    # after the parity step, so every implementation is checked on the same weights; a first
+    # optimizer step on the parity step's gradients, agreed on by every rank, drops an
+    # implementation whose optimizer fails instead of failing the run
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for name in list(steps) if job.optimizer else []:
+        try:
+            optimizers[name] = _optimizer(steps[name])
+            optimizers[name].step()
+        except Exception as exc:
+            results[name].status, results[name].error = "error", f"optimizer: {_short_error(exc)}"
+        if not _all_ranks_ok(results[name].status == "ok", ctx):
+            del steps[name]
+            optimizers.pop(name, None)
+            if results[name].status == "ok":
+                results[name].status, results[name].error = "error", "failed on another rank"
     names = list(steps)
-    # after the parity step, so every implementation is checked on the same weights
-    optimizers = {name: _optimizer(steps[name]) for name in names} if job.optimizer else {}
     for it in range(job.warmup + job.iters):
         # rotate the order every iteration so no implementation always runs first after a barrier
         shift = it % max(len(names), 1)
@@ -214,8 +227,17 @@ def _bench_config(
 
 
 def _optimizer(step: TrainStep) -> torch.optim.Optimizer:
-    """The optimizer a user would pick: AdamW over the step's parameters, foreach kernels."""
-    return torch.optim.AdamW(step.parameters(), lr=1e-4, foreach=True)
+    """AdamW with foreach kernels over the step's parameters, one group per tensor type.
+
+    torch's DTensor refuses a foreach list that mixes DTensors and plain tensors (the
+    torch TP baseline leaves its norms plain); a group per type keeps every list uniform.
+    """
+    groups: dict[type, list[torch.Tensor]] = {}
+    for param in step.parameters():
+        groups.setdefault(type(param), []).append(param)
+    return torch.optim.AdamW(
+        [{"params": params} for params in groups.values()], lr=1e-4, foreach=True
+    )
 
 
 def run_bench_rank(job: BenchJob) -> list[dict[str, dict[str, Any]]]:
