@@ -176,6 +176,11 @@ def _keys_agree(world_size: int) -> list[str]:
         (aten.t.default, (y,), {}),
         (aten.transpose.int, (x, 0, 1), {}),
         (aten._to_copy.default, (x,), {"dtype": torch.float64}),
+        # lists of DTensors and of floats (an optimizer's foreach ops) key inline too
+        (aten._foreach_mul.ScalarList, ([x, y], [0.5, 2.0]), {}),
+        (aten._foreach_addcmul.Scalar, ([x, y], [y, y], [x, y], 0.5), {}),
+        (aten._foreach_mul_.Scalar, ([x.clone(), y.clone()], 2.0), {}),
+        (aten._foreach_lerp_.Scalar, ([x.clone()], [y], 0.25), {}),
     ]
     missing = []
     for func, args, kwargs in calls:

@@ -406,6 +406,33 @@ def torch_dispatch(
                 fast_key += (_TRUE if a else _FALSE,)
             elif t is list and a and type(a[0]) is int:
                 fast_key += (tuple(a),)
+            elif t is list and a and type(a[0]) is tensor_type:
+                # a list of DTensors (a foreach op's: an optimizer's states), keyed as
+                # ``key`` keys it and its locals collected, without a call per tensor
+                part: tuple[Any, ...] = ()
+                local_list: list[Any] = []
+                for e in a:
+                    if type(e) is not tensor_type:
+                        break
+                    part += (e._spec,)
+                    local_list += (e._local_tensor,)
+                else:
+                    fast_key += (part,)
+                    fast_dts += tuple(a)
+                    fast_locals += (local_list,)
+                    continue
+                break
+            elif t is list and a and type(a[0]) is float:  # a foreach op's scalar list
+                part = ()
+                for e in a:
+                    if type(e) is not float:
+                        break
+                    part += (float if info.floats_by_type else (float, e),)
+                else:
+                    fast_key += (part,)
+                    fast_locals += (a,)
+                    continue
+                break
             else:
                 break
             fast_locals += (a,)

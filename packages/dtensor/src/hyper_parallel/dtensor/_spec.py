@@ -60,7 +60,7 @@ class DTensorSpec:
     Specs are immutable, hashable values: the dispatcher's cache keys are built from them.
     """
 
-    __slots__ = ("_hash", "mesh", "placements", "tensor_meta")
+    __slots__ = ("_hash", "_partial", "mesh", "placements", "tensor_meta")
 
     def __init__(
         self, mesh: DeviceMesh, placements: tuple[Placement, ...], tensor_meta: TensorMeta
@@ -69,6 +69,8 @@ class DTensorSpec:
         self.placements = placements
         self.tensor_meta = tensor_meta
         self._hash = hash((mesh, placements, tensor_meta))
+        # read per tensor by the foreach specials (an optimizer step asks it of every state)
+        self._partial = any(p.is_partial() for p in placements)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -86,7 +88,7 @@ class DTensorSpec:
         return all(p.is_replicate() for p in self.placements)
 
     def has_partial(self) -> bool:
-        return any(p.is_partial() for p in self.placements)
+        return self._partial
 
     def __eq__(self, other: object) -> bool:
         if self is other:

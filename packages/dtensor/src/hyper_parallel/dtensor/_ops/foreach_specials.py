@@ -15,7 +15,7 @@ from hyper_parallel.dtensor._ops.foreach import _IN_PLACE, _OUT_OF_PLACE
 from hyper_parallel.dtensor._redistribute import redistribute_local
 from hyper_parallel.dtensor._registry import register_special
 from hyper_parallel.dtensor._spec import DTensorSpec, partial_to_replicate
-from hyper_parallel.dtensor._tensor import dispatch_by_rules
+from hyper_parallel.dtensor._tensor import DTensor, dispatch_by_rules
 
 aten = torch.ops.aten
 
@@ -30,10 +30,17 @@ def _keep_partial_self(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> bo
         return False
     other = args[1] if len(args) > 1 else None
     values = other if isinstance(other, (list, tuple)) else [other]
-    return not any(
-        isinstance(v, torch.Tensor) and hasattr(v, "_spec") and v._spec.has_partial()
-        for v in values
-    )
+    for v in values:  # an optimizer step asks this of every state: no call per DTensor
+        spec = v._spec if type(v) is DTensor else _spec_of(v)
+        if spec is not None and spec._partial:
+            return False
+    return True
+
+
+def _spec_of(value: Any) -> DTensorSpec | None:
+    """The DTensorSpec of a DTensor (of any class), else ``None``."""
+    spec = getattr(value, "_spec", None) if isinstance(value, torch.Tensor) else None
+    return spec if isinstance(spec, DTensorSpec) else None
 
 
 def _foreach_in_place(
@@ -43,8 +50,8 @@ def _foreach_in_place(
     selves = args[0]
     if not _keep_partial_self(func, args):
         for t in selves:
-            spec = getattr(t, "_spec", None)
-            if isinstance(spec, DTensorSpec) and spec.has_partial():
+            spec = t._spec if type(t) is DTensor else _spec_of(t)
+            if spec is not None and spec._partial:
                 target = partial_to_replicate(spec.placements)
                 t._local_tensor = redistribute_local(t._local_tensor, spec, target)
                 t._spec = spec.with_placements(target)
@@ -60,8 +67,17 @@ def _per_mesh(handler: Any) -> Any:
 
     def run(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         first = args[0]
-        meshes = [t._spec.mesh for t in first if isinstance(getattr(t, "_spec", None), DTensorSpec)]
-        if len(meshes) != len(first) or all(m == meshes[0] for m in meshes):
+        meshes: list[Any] = []
+        for t in first:  # no call per DTensor: an optimizer's lists hold every state
+            spec = t._spec if type(t) is DTensor else _spec_of(t)
+            if spec is None:
+                return handler(func, args, kwargs)  # not all DTensors: the rule decides
+            meshes += (spec.mesh,)
+        one = meshes[0] if meshes else None
+        for mesh in meshes:
+            if mesh is not one and mesh != one:
+                break
+        else:
             return handler(func, args, kwargs)
         n = len(first)
         groups: dict[Any, list[int]] = {}
