@@ -14,9 +14,10 @@ from collections.abc import Iterable
 import torch
 
 from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._spec import partial_to_replicate
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Placement, Replicate
+from hyper_parallel.dtensor.placement_types import Placement
 
 __all__ = ["clip_grad_norm_"]
 
@@ -50,11 +51,8 @@ def clip_grad_norm_(
     for grad in grads:
         if isinstance(grad, DTensor):
             placements: tuple[Placement, ...] = grad.placements
-            if any(p.is_partial() for p in placements):
-                grad = grad.redistribute(
-                    grad.device_mesh,
-                    [Replicate() if p.is_partial() else p for p in placements],
-                )
+            if grad._spec.has_partial():
+                grad = grad.redistribute(grad.device_mesh, partial_to_replicate(placements))
                 placements = grad.placements
             local: torch.Tensor = grad._local_tensor  # type: ignore[attr-defined]
             axes = tuple(i for i, p in enumerate(placements) if p.is_shard())

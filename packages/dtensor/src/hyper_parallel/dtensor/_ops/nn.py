@@ -384,7 +384,7 @@ def _eye_out_rule(call: OpCall) -> Decision:
     The written tensor keeps its layout; a Partial target is declined (the fallback).
     """
     spec = call.specs[0]
-    if any(isinstance(p, Partial) for p in spec.placements):
+    if spec.has_partial():
         raise Declined(f"{call.func}: the identity cannot be written into a Partial")
     decision = Decision([spec.placements], [spec.placements])
     if any(isinstance(p, Shard) for p in spec.placements):
