@@ -8,8 +8,10 @@ step ``STALL_STEP - 1`` while the other ranks go on into step ``STALL_STEP``'s c
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -19,6 +21,9 @@ from hyper_parallel.platform import get_platform
 
 STALL_RANK = 1
 STALL_STEP = 2
+# When set, the stalling rank writes the wall-clock time it started stalling to this file
+# (a test checks that the stall began well within the demo's timeout).
+MARKER_ENV = "HP_DEMO_STALL_MARKER"
 # Taken when this module is imported, before __main__ below swaps demo.train_rank (under
 # torchrun the swap happens in the rank process itself).
 _TRAIN_RANK = demo.train_rank
@@ -32,6 +37,9 @@ def stalling_train_rank(options: Any) -> Any:
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         steps_done[0] += 1
         if rank == STALL_RANK and steps_done[0] == STALL_STEP - 1:
+            marker = os.environ.get(MARKER_ENV)
+            if marker:
+                Path(marker).write_text(repr(time.time()))
             time.sleep(3600)
 
     handle = register_optimizer_step_post_hook(after_step)

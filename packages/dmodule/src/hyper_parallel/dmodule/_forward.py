@@ -20,7 +20,8 @@ from hyper_parallel.dmodule.local_map import (
 )
 from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, enforce_layout
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, enforce_layout
+from hyper_parallel.dtensor.parallel import check_plain_shard_input
 
 __all__ = [
     "EveryOutput",
@@ -148,6 +149,8 @@ class ForwardPlan:
     local_map: bool = False
     in_grad: dict[str, Placements] = field(default_factory=dict)
     compile: bool = False
+    # a linear's input features per input name: a plain input taken as a shard is checked
+    in_features: dict[str, int] = field(default_factory=dict)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ForwardPlan:
         return self  # immutable; its mesh holds process groups, which cannot be copied
@@ -176,7 +179,11 @@ class ForwardPlan:
             layout = src if src is not None else dst
             if layout is None:
                 return value
-            value = DTensor.from_local(value, self.mesh, layout)
+            features = self.in_features.get(name) if name is not None else None
+            if features is not None:
+                value = self._linear_input(name, value, features, layout)
+            else:
+                value = DTensor.from_local(value, self.mesh, layout)
         if dst is not None:
             # a declared input layout holds both ways: the gradient leaves the module in it too
             # (a Partial gradient is reduced once here, as Megatron's "copy to parallel region")
@@ -185,6 +192,32 @@ class ForwardPlan:
             grad = self.in_grad.get(name) if name is not None else None
             return value.to_local(grad_placements=grad)
         return value
+
+    def _linear_input(
+        self, name: str | None, value: torch.Tensor, features: int, layout: Placements
+    ) -> DTensor:
+        """A linear's plain input as a DTensor, after checking it is this rank's shard of it.
+
+        When only the feature dim is sharded, the global shape is known (``features``),
+        so uneven feature shards (``torch.chunk``'s sizes) wrap exactly.
+        """
+        check_plain_shard_input(
+            value,
+            features,
+            self.mesh,
+            layout,
+            where=self.owner,
+            fix=f"pass this rank's shard of {name!r}, a DTensor, or declare "
+            f"in_src_shardings={{{name!r}: <Replicate on those axes>}} to pass the full input",
+        )
+        last = value.ndim - 1
+        if value.ndim == 0 or any(isinstance(p, Shard) and p.dim not in (-1, last) for p in layout):
+            return DTensor.from_local(value, self.mesh, layout)
+        shape = (*value.shape[:-1], features)
+        stride = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):  # contiguous strides of the global shape
+            stride[d] = stride[d + 1] * shape[d + 1]
+        return DTensor.from_local(value, self.mesh, layout, shape=shape, stride=tuple(stride))
 
     # -- a local_map call ---------------------------------------------------------------
     def call_local(

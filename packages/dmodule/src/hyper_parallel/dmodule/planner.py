@@ -191,6 +191,14 @@ def _is_within(path: str, root: str) -> bool:
     return path != root and (root == "" or path.startswith(root + "."))
 
 
+def _linear_input_features(module: torch.nn.Module, positional: tuple[str, ...]) -> dict[str, int]:
+    """``{first input: in_features}`` of a linear (``nn.Linear`` or anything with ``in_features``)."""
+    features = getattr(module, "in_features", None)
+    if not positional or isinstance(features, bool) or not isinstance(features, int):
+        return {}
+    return {positional[0]: features}
+
+
 def _has_io_shardings(sc: ShardingConfig) -> bool:
     return any(
         x is not None
@@ -422,6 +430,7 @@ class _Planner:
             local_map=sc.local_map is not None,
             in_grad=resolved["local_map.in_grad_placements"],
             compile=sc.local_map is not None and sc.local_map.compile,
+            in_features=_linear_input_features(module, positional),
         )
 
 

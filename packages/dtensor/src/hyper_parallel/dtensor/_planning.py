@@ -504,27 +504,34 @@ class Planner:
                 f"fallback) because {plan.reason}; strict mode (strict_mode() or "
                 "HYPER_PARALLEL_STRICT=1) forbids fallbacks"
             )
-        self.fallbacks[name] += 1
-        if self.fallbacks[name] == 1:
-            warnings.warn(
-                f"hyper_parallel.dtensor: {name} ran on full tensors (gathered to Replicate) and "
-                f"returned Replicate because {plan.reason}. Correct, but it communicates and "
-                "computes the whole tensor on every rank.",
-                FallbackWarning,
-                stacklevel=5,
-            )
         if not dtensors:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self._ran_fallback(name, plan.reason)
+            return out
         mesh = common_mesh(func, [dt._spec for dt in dtensors])  # type: ignore[arg-type]
         replicate = replicate_all(mesh.ndim)
         fulls = [redistribute_local(dt._local_tensor, dt._spec, replicate) for dt in dtensors]
         full_args, full_kwargs = self.swap_dtensors(args, kwargs, fulls)
         out = func(*full_args, **full_kwargs)
+        self._ran_fallback(name, plan.reason)
         for i in plan.mutated:
             _write_back(dtensors[i], fulls[i])
         if plan.result is _WRAP:
             return self._wrap_replicated(out, mesh)
         return _aliased_result(plan, out, dtensors)
+
+    def _ran_fallback(self, name: str, reason: str) -> None:
+        """Count a fallback that ran, and warn at its op's first (after it ran: an op that
+        raises on the full tensors, e.g. ``mean`` of integers, gets torch's error alone)."""
+        self.fallbacks[name] += 1
+        if self.fallbacks[name] == 1:
+            warnings.warn(
+                f"hyper_parallel.dtensor: {name} ran on full tensors (gathered to Replicate) and "
+                f"returned Replicate because {reason}. Correct, but it communicates and "
+                "computes the whole tensor on every rank.",
+                FallbackWarning,
+                stacklevel=6,
+            )
 
     def _outside_mesh_result(self, plan: Plan, dtensors: list[DTensor]) -> Any:
         """On a rank outside the mesh an op computes nothing: empty locals, as in torch."""

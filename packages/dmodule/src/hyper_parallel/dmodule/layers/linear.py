@@ -161,6 +161,11 @@ class Linear(Module):
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def in_features(self) -> int:
+        """The input feature count, as ``nn.Linear.in_features`` (a plain input is checked against it)."""
+        return self.config.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T (+ bias)``."""
         return F.linear(x, self.weight, self.bias)

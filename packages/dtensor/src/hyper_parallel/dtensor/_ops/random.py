@@ -31,14 +31,13 @@ Partial DTensor raises, as in torch (it would change the target's placement);
 ``rand_like`` of a Partial gives a Replicate DTensor.
 
 Seeds: the values are those of one device only if every rank's default generator
-holds the same state. As torch's DTensor does at its first random op, the first
-random op on each mesh (and device type) takes the generator state of the mesh's
-first rank: one broadcast of the state per mesh axis, once per mesh, warning on
-the ranks whose state differed (per-rank seeds). Unlike torch, which broadcasts
-over the whole world once, the sync stays inside the op's mesh, so pipeline
-stages on separate meshes keep their own seeds (``_seeds.py``). ``manual_seed`` (torch's
-``manual_seed(seed, device_mesh)``) seeds this rank and turns the sync off: the
-caller vouches for the seeds. A user-passed ``generator=`` is never synced (as torch).
+holds the same state. Before each op the ranks that must draw alike are aligned
+(``_seeds.py``): the first random op on each mesh takes the state of the mesh's first
+rank, and later ops whose result is replicated along some axes check (one small
+all-reduce per such axis) that the ranks along them still agree, taking the first
+rank's state where a per-rank reseed split them. ``manual_seed`` (torch's
+``manual_seed(seed, device_mesh)``) seeds this rank and turns this off: the caller
+vouches for the seeds. A user-passed ``generator=`` is never aligned (as torch).
 Memory per rank: the local shard, plus one piece of ``C`` elements (default
 ``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
 float32) when the shard is one contiguous run of the flat tensor (Shard(0),
@@ -71,7 +70,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._registry import register_special
-from hyper_parallel.dtensor._seeds import sync_generator
+from hyper_parallel.dtensor._seeds import align_generators
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -267,15 +266,23 @@ def _shard_box(spec: DTensorSpec) -> _Box | None:
     return _Box(spec.shape, shape, offset)
 
 
+def _align_for(spec: DTensorSpec, device: torch.device, kwargs: dict[str, Any]) -> None:
+    """Before drawing ``spec``'s values: its replicas hold one generator state (a user's generator is theirs)."""
+    if kwargs.get("generator") is None:
+        replicated = [axis for axis, p in enumerate(spec.placements) if not p.is_shard()]
+        align_generators(spec.mesh, device, replicated)
+
+
 def fill_shard(
     local: torch.Tensor, spec: DTensorSpec, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    """Fill ``local`` (this rank's shard of ``spec``) with its slice of ``func`` on the full tensor."""
+    """Fill ``local`` (this rank's shard of ``spec``) with its slice of ``func`` on the full tensor.
+
+    Draws from the generator as it stands: the caller aligns the ranks' states first.
+    """
     box = _shard_box(spec)
     if box is None or local.device.type == "meta":
         return
-    if kwargs.get("generator") is None:
-        sync_generator(spec.mesh, local.device)
     meta = spec.tensor_meta
     n = math.prod(meta.shape)
     chunk = _chunk_elements.get()
@@ -356,7 +363,8 @@ def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             "Replicate. Redistribute the DTensor (e.g. .redistribute(placements=[Replicate()])) "
             "or fill a new one"
         )
-    fill_shard(self._local_tensor, self._spec, func, rest, kwargs)
+    _align_for(spec, self._local_tensor.device, kwargs)
+    fill_shard(self._local_tensor, spec, func, rest, kwargs)
     return self  # type: ignore[no-any-return]
 
 
@@ -385,6 +393,7 @@ def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTen
     box = _shard_box(out_spec)
     local_shape = box.shape if box is not None else (0,)
     local = torch.empty(local_shape, dtype=dtype, device=device)
+    _align_for(out_spec, torch.device(device), kwargs)
     fill_shard(local, out_spec, fill_op, to_args(args[1:]), {"generator": generator})
     return DTensor(local, out_spec)
 
@@ -394,7 +403,7 @@ register_special(*_LIKE)(_like_fill)
 
 
 # Random ops drawn by sharding rules or the fallback (which draws the full tensor on
-# every rank): their generator state is synced first, like the fills above.
+# every rank, so every axis holds replicas): their ranks are aligned on every axis first.
 _SEEDED_BY_RULES = (
     aten.bernoulli.default,
     aten.bernoulli.p,
@@ -411,13 +420,14 @@ _SEEDED_BY_RULES = (
 
 
 def _seeded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A random op run by its rule or the fallback, after syncing the generator of its mesh."""
+    """A random op run by its rule or the fallback, after aligning the generators of its mesh."""
     first = next(
         (a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)),
         None,
     )
     if first is not None and kwargs.get("generator") is None:
-        sync_generator(first._spec.mesh, first._local_tensor.device)
+        mesh = first._spec.mesh
+        align_generators(mesh, first._local_tensor.device, range(mesh.ndim))
     return dispatch_by_rules(func, args, kwargs)
 
 
@@ -512,7 +522,7 @@ def _multinomial(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     out_spec = DTensorSpec(mesh, spec.placements, out_meta)
     if mesh.get_coordinate() is None:
         return DTensor(torch.empty(0, dtype=torch.int64, device=local.device), out_spec)
-    sync_generator(mesh, local.device)
+    _align_for(out_spec, local.device, {})
     return DTensor(_multinomial_draws(local, k, replacement, draw), out_spec)
 
 

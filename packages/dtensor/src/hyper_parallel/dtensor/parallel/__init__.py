@@ -26,6 +26,7 @@ from hyper_parallel.dtensor.parallel.style import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    check_plain_shard_input,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "check_plain_shard_input",
     "loss_parallel",
     "overlap_grad_reduce",
     "parallelize_module",

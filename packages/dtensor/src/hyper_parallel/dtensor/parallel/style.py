@@ -120,27 +120,73 @@ def _to_dtensor_input(
     return x
 
 
-def _check_rowwise_plain_input(module: nn.Module, x: Any, mesh: DeviceMesh) -> None:
-    """Refuse a plain input to a row-parallel linear that is not this rank's ``Shard(-1)`` shard.
+def check_plain_shard_input(
+    x: torch.Tensor,
+    features: int,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    where: str,
+    fix: str,
+) -> None:
+    """Refuse a plain ``x`` that is not this rank's shard of ``features`` input features.
 
-    The declared layout makes a plain tensor this rank's slice of the input features;
-    the full input would otherwise fail deep inside the matmul (or a fallback).
+    A linear whose declared input layout shards the last dim takes a plain tensor as
+    this rank's slice of the features (``torch.chunk``'s sizes); the full input would
+    otherwise fail deep inside the matmul (or a fallback, or the backward). The error
+    names ``where``, the input's shape, the layout and ``fix``.
+
+    Example::
+
+        check_plain_shard_input(x, 8, mesh, [Shard(-1)], where="Linear 'wo'", fix="pass a DTensor")
     """
-    if not (isinstance(module, nn.Linear) and isinstance(x, torch.Tensor)) or x.ndim == 0:
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or x.ndim == 0:
         return
-    features, ranks = module.in_features, mesh.size()
-    chunk = -(-features // ranks)  # torch.chunk's sizes
-    expected = max(0, min(chunk, features - mesh.get_local_rank() * chunk))
-    if x.shape[-1] == expected:
+    last = x.ndim - 1
+    axes = [
+        axis
+        for axis, p in enumerate(placements)
+        if isinstance(p, Shard) and p.dim in (-1, last) and mesh.size(axis) > 1
+    ]
+    expected = features
+    for axis in axes:  # nested shards: each axis splits the previous axis's chunk
+        chunk = -(-expected // mesh.size(axis))
+        expected = max(0, min(chunk, expected - coordinate[axis] * chunk))
+    if not axes or x.shape[-1] == expected:
         return
-    axis = f"mesh axis {mesh.mesh_dim_names[0]!r}" if mesh.mesh_dim_names else "the mesh"
+    names = mesh.mesh_dim_names
+    ranks = 1
+    for axis in axes:
+        ranks *= mesh.size(axis)
+    if names and len(axes) == 1:
+        on = f"mesh axis {names[axes[0]]!r}"
+    elif names:
+        on = "mesh axes " + ", ".join(repr(names[axis]) for axis in axes)
+    else:
+        on = "the mesh"
+    dim = next(p.dim for p in placements if isinstance(p, Shard) and p.dim in (-1, last))
     full = " (the full input)" if x.shape[-1] == features else ""
     raise RuntimeError(
-        f"RowwiseParallel {module}: got a plain input of shape {tuple(x.shape)}{full}, but the "
-        f"declared input layout is Shard(-1) on {axis} ({ranks} ranks), so a plain tensor is "
-        f"taken as this rank's shard of the {features} input features: expected last dim "
-        f"{expected}; pass this rank's shard (x.chunk({ranks}, dim=-1)[rank]), a DTensor, or "
-        f"declare RowwiseParallel(input_layouts=Replicate()) to pass the full input"
+        f"{where}: got a plain input of shape {tuple(x.shape)}{full}, but the declared input "
+        f"layout is Shard({dim}) on {on} ({ranks} ranks), so a plain tensor is taken as this "
+        f"rank's shard of the {features} input features: expected last dim {expected}; {fix}"
+    )
+
+
+def _check_rowwise_plain_input(module: nn.Module, x: Any, mesh: DeviceMesh) -> None:
+    """RowwiseParallel's :func:`check_plain_shard_input` (a plain input must be this rank's shard)."""
+    if not (isinstance(module, nn.Linear) and isinstance(x, torch.Tensor)):
+        return
+    ranks = mesh.size()
+    check_plain_shard_input(
+        x,
+        module.in_features,
+        mesh,
+        (Shard(-1),),
+        where=f"RowwiseParallel {module}",
+        fix=f"pass this rank's shard (x.chunk({ranks}, dim=-1)[rank]), a DTensor, or declare "
+        "RowwiseParallel(input_layouts=Replicate()) to pass the full input",
     )
 
 
