@@ -1,0 +1,111 @@
+"""``_StridedShard``: torch's value semantics, and redistribution against torch's shards.
+
+The oracle is torch's own ``_StridedShard`` on the same mesh: each rank's local shard of
+``distribute_tensor(full, mesh, placements)`` (torch's split), and the full tensor itself
+for every gather. Values are integers, so comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.tensor as tdt
+from tests._harness import run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+from torch.distributed.tensor.placement_types import _StridedShard as TorchStridedShard
+
+from hyper_parallel.dtensor import (
+    CommDebugMode,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
+from hyper_parallel.dtensor.placement_types import _StridedShard
+
+SS = _StridedShard
+
+
+def to_torch(p: Placement) -> tdt.Placement:
+    """The torch placement of the same value."""
+    if isinstance(p, _StridedShard):
+        return TorchStridedShard(p.dim, split_factor=p.split_factor)
+    if isinstance(p, Shard):
+        return tdt.Shard(p.dim)
+    return tdt.Replicate()
+
+
+def test_strided_shard_reads_like_torchs() -> None:
+    for dim, sf in ((0, 2), (1, 4), (2, 1)):
+        ours, theirs = SS(dim, split_factor=sf), TorchStridedShard(dim, split_factor=sf)
+        assert (repr(ours), str(ours)) == (repr(theirs), str(theirs))
+        assert (ours.dim, ours.split_factor) == (theirs.dim, theirs.split_factor)
+        assert ours.is_shard() == theirs.is_shard() and ours.is_replicate() is False
+        assert (ours == Shard(dim)) == (theirs == tdt.Shard(dim))
+        assert isinstance(ours, Shard) == isinstance(theirs, tdt.Shard)
+        assert SS(dim, sf=sf) is ours and hash(SS(dim, split_factor=sf)) == hash(ours)
+        assert pickle.loads(pickle.dumps(ours)) is ours
+        assert eval(repr(ours), {"_StridedShard": SS}) is ours
+    assert SS(0, sf=2) != SS(0, sf=3)
+
+
+# (mesh placements on ("dp", "tp") of 2 x 2, global shape): FSDP x TP's own layout, its
+# halves, strided on the inner axis, on dim 1, and uneven sizes.
+LAYOUTS: tuple[tuple[Placement, ...], ...] = (
+    (SS(0, sf=2), Shard(0)),
+    (SS(0, sf=2), Replicate()),
+    (Replicate(), SS(0, sf=3)),
+    (Shard(0), SS(0, sf=2)),
+    (SS(1, sf=2), Shard(1)),
+    (SS(0, sf=2), Shard(1)),
+)
+SHAPES: tuple[tuple[int, int], ...] = ((8, 6), (7, 5), (9, 4))
+TARGETS: tuple[tuple[Placement, ...], ...] = (
+    (Replicate(), Replicate()),
+    (Shard(0), Shard(0)),
+    (Replicate(), Shard(0)),
+    (Shard(1), Replicate()),
+    (SS(0, sf=2), Shard(0)),
+    (Replicate(), SS(0, sf=3)),
+)
+
+
+def _shards_like_torch() -> list[str]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tmesh = torch_init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    failures: list[str] = []
+
+    def torch_local(full: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:
+        laid = [to_torch(p) for p in placements]
+        return tdt.distribute_tensor(full, tmesh, laid, src_data_rank=None).to_local()
+
+    for shape in SHAPES:
+        full = torch.arange(shape[0] * shape[1]).reshape(shape)
+        for src in LAYOUTS:
+            want = torch_local(full, src)
+            for src_rank in (0, None):
+                dt = distribute_tensor(full, mesh, src, src_data_rank=src_rank)
+                if not torch.equal(dt.to_local(), want):
+                    failures.append(f"distribute {shape} {src} src={src_rank}")
+            if not torch.equal(dt.full_tensor(), full):
+                failures.append(f"full_tensor {shape} {src}")
+            for dst in TARGETS:
+                with CommDebugMode() as comm:
+                    moved = dt.redistribute(mesh, dst)
+                if moved.placements != dst or not torch.equal(moved.to_local(), torch_local(full, dst)):
+                    failures.append(f"redistribute {shape} {src} -> {dst}")
+                back = moved.redistribute(mesh, src)
+                if not torch.equal(back.to_local(), want):
+                    failures.append(f"redistribute back {shape} {dst} -> {src}")
+                if sum(comm.counts().values()) > 2:
+                    failures.append(f"{src} -> {dst}: {comm.counts()}")
+    return failures
+
+
+def test_strided_shard_distribute_and_redistribute_match_torchs_shards_on_four_ranks() -> None:
+    for failures in run_on_ranks(_shards_like_torch, 4, timeout_s=240):
+        assert failures == []
