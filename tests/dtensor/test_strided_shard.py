@@ -44,7 +44,7 @@ def test_strided_shard_reads_like_torchs() -> None:
         assert (repr(ours), str(ours)) == (repr(theirs), str(theirs))
         assert (ours.dim, ours.split_factor) == (theirs.dim, theirs.split_factor)
         assert ours.is_shard() == theirs.is_shard() and ours.is_replicate() is False
-        assert (ours == Shard(dim)) == (theirs == tdt.Shard(dim))
+        assert (ours == Shard(dim)) == (theirs == tdt.Shard(dim))  # type: ignore[comparison-overlap]
         assert isinstance(ours, Shard) == isinstance(theirs, tdt.Shard)
         assert SS(dim, sf=sf) is ours and hash(SS(dim, split_factor=sf)) == hash(ours)
         assert pickle.loads(pickle.dumps(ours)) is ours
@@ -96,7 +96,9 @@ def _shards_like_torch() -> list[str]:
             for dst in TARGETS:
                 with CommDebugMode() as comm:
                     moved = dt.redistribute(mesh, dst)
-                if moved.placements != dst or not torch.equal(moved.to_local(), torch_local(full, dst)):
+                if moved.placements != dst or not torch.equal(
+                    moved.to_local(), torch_local(full, dst)
+                ):
                     failures.append(f"redistribute {shape} {src} -> {dst}")
                 back = moved.redistribute(mesh, src)
                 if not torch.equal(back.to_local(), want):

@@ -17,10 +17,10 @@ from hyper_parallel.dtensor._spec import (
     contiguous_strides,
     local_shape_and_offset,
     local_shard,
-    strided_positions,
     normalize_placements,
     partial_to_replicate,
     replicate_all,
+    strided_positions,
 )
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh

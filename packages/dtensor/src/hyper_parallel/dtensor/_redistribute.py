@@ -28,7 +28,6 @@ from hyper_parallel.dtensor.placement_types import (
     Replicate,
     Shard,
     _StridedShard,
-    is_shard_like,
 )
 
 __all__ = [
@@ -150,7 +149,10 @@ def _gather_set(
 def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """True when no mesh axis but ``axis`` shards tensor dim ``dim`` before or after."""
     return not any(
-        _shards_dim(p, dim) for placements in (src, dst) for i, p in enumerate(placements) if i != axis
+        _shards_dim(p, dim)
+        for placements in (src, dst)
+        for i, p in enumerate(placements)
+        if i != axis
     )
 
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["Partial", "Placement", "ReduceOp", "Replicate", "Shard", "_StridedShard", "is_shard_like"]
+__all__ = [
+    "Partial",
+    "Placement",
+    "ReduceOp",
+    "Replicate",
+    "Shard",
+    "_StridedShard",
+    "is_shard_like",
+]
 
 ReduceOp = Literal["sum", "avg", "product", "max", "min"]
 _REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "max", "min")
@@ -113,9 +121,7 @@ class _StridedShard(Placement):
     dim: int
     split_factor: int
 
-    def __new__(
-        cls, dim: int, *, split_factor: int = 1, sf: int | None = None
-    ) -> _StridedShard:
+    def __new__(cls, dim: int, *, split_factor: int = 1, sf: int | None = None) -> _StridedShard:
         if sf is not None:
             if split_factor != 1:
                 raise TypeError("_StridedShard: pass split_factor or sf, not both")
