@@ -21,8 +21,10 @@ from hyper_parallel.dtensor import (
     Placement,
     Replicate,
     Shard,
+    clip_grad_norm_,
     distribute_tensor,
     init_device_mesh,
+    strict_mode,
 )
 from hyper_parallel.dtensor.placement_types import _StridedShard
 
@@ -111,3 +113,59 @@ def _shards_like_torch() -> list[str]:
 def test_strided_shard_distribute_and_redistribute_match_torchs_shards_on_four_ranks() -> None:
     for failures in run_on_ranks(_shards_like_torch, 4, timeout_s=240):
         assert failures == []
+
+
+def _optimizer_step_on_strided_params() -> dict[str, object]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    # FSDP x TP's layout of a Colwise weight, an uneven one, and a Rowwise weight beside them
+    shapes = {"w1": (8, 6), "w2": (10, 3), "w3": (4, 8)}
+    layouts = {
+        "w1": (SS(0, sf=2), Shard(0)),
+        "w2": (SS(0, sf=2), Shard(0)),
+        "w3": (Shard(0), Shard(1)),
+    }
+    full = {n: torch.randn(s) for n, s in shapes.items()}
+    grads = {n: torch.randn(s) for n, s in shapes.items()}
+    params = [torch.nn.Parameter(distribute_tensor(full[n], mesh, layouts[n])) for n in shapes]
+    for p, n in zip(params, shapes, strict=True):
+        p.grad = distribute_tensor(grads[n], mesh, layouts[n])
+    opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+    with strict_mode(), CommDebugMode() as comm:
+        opt.step()
+        doubled = params[0] * 2 + params[0]  # pointwise, no collective
+    one = [torch.nn.Parameter(full[n].clone()) for n in shapes]
+    for p, n in zip(one, shapes, strict=True):
+        p.grad = grads[n].clone()
+    torch.optim.AdamW(one, lr=0.1, foreach=True).step()
+    total = clip_grad_norm_(params, max_norm=0.5)
+    one_total = torch.nn.utils.clip_grad_norm_(one, max_norm=0.5)
+    return {
+        "counts": comm.counts(),
+        "placements": [p.placements for p in params] + [doubled.placements],
+        "params": [
+            torch.allclose(p.full_tensor(), o.detach(), atol=1e-6)
+            for p, o in zip(params, one, strict=True)
+        ],
+        "doubled": torch.allclose(doubled.full_tensor(), params[0].full_tensor() * 3),
+        "grads": [
+            torch.allclose(p.grad.full_tensor(), o.grad, atol=1e-6)
+            for p, o in zip(params, one, strict=True)
+        ],  # type: ignore[union-attr]
+        "total": float(total),
+        "one_total": float(one_total),
+    }
+
+
+def test_optimizer_step_and_clipping_keep_strided_params_local_on_four_ranks() -> None:
+    for got in run_on_ranks(_optimizer_step_on_strided_params, 4, timeout_s=240):
+        assert got["counts"] == {}, got
+        assert got["placements"] == [
+            (SS(0, sf=2), Shard(0)),
+            (SS(0, sf=2), Shard(0)),
+            (Shard(0), Shard(1)),
+            (SS(0, sf=2), Shard(0)),
+        ]
+        assert got["params"] == [True] * 3 and got["grads"] == [True] * 3 and got["doubled"]
+        assert abs(got["total"] - got["one_total"]) <= 1e-5 * abs(got["one_total"])  # type: ignore[operator]

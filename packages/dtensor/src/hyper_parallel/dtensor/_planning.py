@@ -51,7 +51,13 @@ from hyper_parallel.dtensor._spec import (
     local_shape_and_offset,
     replicate_all,
 )
-from hyper_parallel.dtensor._strided import has_strided, keeps_strided, restore_strided, shown_call
+from hyper_parallel.dtensor._strided import (
+    has_strided,
+    keeps_strided,
+    restore_strided,
+    sees_strided,
+    shown_call,
+)
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement
 
@@ -577,7 +583,11 @@ def _decide(rule: Rule, call: OpCall) -> Decision | str:
 
 def _decide_on_strided(rule: Rule, call: OpCall) -> Decision | str:
     """The decision of a call with strided shards (see ``_strided``): kept where the op allows."""
-    if keeps_strided(call.func):
+    if sees_strided(call.func):
+        decision = _decide(rule, call)
+        if not isinstance(decision, str):
+            return decision
+    elif keeps_strided(call.func):
         decision = _decide(rule, shown_call(call, as_shard=True))
         if not isinstance(decision, str):
             restored = restore_strided(call, decision)

@@ -5,7 +5,8 @@ way on every rank. An op that treats the positions of a dim independently (point
 foreach, matrix products, reductions, transposes) gives the same answer on permuted
 positions: its rule is shown ``Shard(d)``, and every ``Shard`` of the decision on that
 mesh axis (inputs and outputs, along dims of the strided dim's size) is read back as
-``_StridedShard(., sf)``. Any other rule is shown ``Replicate()`` there, so the strided
+``_StridedShard(., sf)``. View rules read it as it is (``_ops/strided_views.py``: flatten
+and unflatten keep it); any other rule is shown ``Replicate()`` there, so the strided
 input moves to whatever the rule asks (one all-gather at most): correct, never fast.
 """
 
@@ -20,7 +21,7 @@ from hyper_parallel.dtensor._registry import Decision, OpCall
 from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-__all__ = ["has_strided", "keeps_strided", "restore_strided", "shown_call"]
+__all__ = ["has_strided", "keeps_strided", "restore_strided", "sees_strided", "shown_call"]
 
 aten = torch.ops.aten
 
@@ -62,6 +63,20 @@ _POSITION_FREE = frozenset(
 def has_strided(specs: list[DTensorSpec]) -> bool:
     """True when some spec holds a ``_StridedShard``."""
     return any(isinstance(p, _StridedShard) for s in specs for p in s.placements)
+
+
+# ops whose rules read _StridedShard themselves (views: flatten and unflatten keep it)
+_SEES_STRIDED = frozenset({"view", "_unsafe_view"})
+
+
+def sees_strided(func: torch._ops.OpOverload) -> bool:
+    """True for ops whose rules are shown ``_StridedShard`` as it is.
+
+    Example::
+
+        sees_strided(torch.ops.aten.view.default)   # True
+    """
+    return func._schema.name.split("::")[-1] in _SEES_STRIDED
 
 
 def keeps_strided(func: torch._ops.OpOverload) -> bool:
@@ -107,6 +122,33 @@ def _swap(value: Any, it: Iterator[DTensorSpec]) -> Any:
     return value
 
 
+def _element_groups(call: OpCall) -> list[tuple[list[int], list[int]]]:
+    """``(spec indices, output indices)`` of the independent element ops of a call.
+
+    One group for an ordinary op; for a ``_foreach_`` op one per list index ``i`` (the
+    ``i``-th tensor of every list argument and the ``i``-th output), shared DTensor
+    arguments in every group.
+    """
+    if not call.func._schema.name.split("::")[-1].startswith("_foreach_"):
+        return [(list(range(len(call.specs))), list(range(len(call.out_metas))))]
+    shared: list[int] = []
+    by_index: dict[int, list[int]] = {}
+    k = 0
+    for value in (*call.args, *call.kwargs.values()):
+        if isinstance(value, DTensorSpec):
+            shared.append(k)
+            k += 1
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                if isinstance(v, DTensorSpec):
+                    by_index.setdefault(i, []).append(k)
+                    k += 1
+    return [
+        (specs + shared, [i] if i < len(call.out_metas) else [])
+        for i, specs in sorted(by_index.items())
+    ]
+
+
 def restore_strided(call: OpCall, decision: Decision) -> Decision | None:
     """A decision made on ``shown_call(call, as_shard=True)`` read back on the strided layout.
 
@@ -115,31 +157,31 @@ def restore_strided(call: OpCall, decision: Decision) -> Decision | None:
     """
     inputs = [list(p) for p in decision.inputs]
     outputs = [None if o is None else list(o) for o in decision.outputs]
-    for axis in range(call.mesh.ndim):
-        strided = {
-            (s.shape[p.dim], p.split_factor)
-            for s in call.specs
-            if isinstance(p := s.placements[axis], _StridedShard)
-        }
-        if not strided:
-            continue
-        if len(strided) > 1:
-            return None
-        ((size, sf),) = strided
-        shaped: list[tuple[list[Placement], tuple[int, ...]]] = [
-            (placements, spec.shape) for placements, spec in zip(inputs, call.specs, strict=True)
-        ]
-        shaped += [
-            (o, meta.shape)
-            for o, meta in zip(outputs, call.out_metas, strict=True)
-            if o is not None and meta is not None
-        ]
-        for placements, shape in shaped:
-            p = placements[axis]
-            if isinstance(p, Shard):
-                if shape[p.dim] != size:
-                    return None
-                placements[axis] = _StridedShard(p.dim, sf=sf)
+    for spec_group, out_group in _element_groups(call):
+        for axis in range(call.mesh.ndim):
+            strided = {
+                (s.shape[p.dim], p.split_factor)
+                for s in (call.specs[k] for k in spec_group)
+                if isinstance(p := s.placements[axis], _StridedShard)
+            }
+            if not strided:
+                continue
+            if len(strided) > 1:
+                return None
+            ((size, sf),) = strided
+            shaped: list[tuple[list[Placement], tuple[int, ...]]] = [
+                (inputs[k], call.specs[k].shape) for k in spec_group
+            ]
+            for j in out_group:
+                out, meta = outputs[j], call.out_metas[j]
+                if out is not None and meta is not None:
+                    shaped.append((out, meta.shape))
+            for placements, shape in shaped:
+                p = placements[axis]
+                if isinstance(p, Shard):
+                    if shape[p.dim] != size:
+                        return None
+                    placements[axis] = _StridedShard(p.dim, sf=sf)
     return Decision(
         [tuple(p) for p in inputs],
         [None if o is None else tuple(o) for o in outputs],
