@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed.tensor as tdt
@@ -64,7 +65,7 @@ LAYOUTS: tuple[tuple[Placement, ...], ...] = (
     (SS(1, sf=2), Shard(1)),
     (SS(0, sf=2), Shard(1)),
 )
-SHAPES: tuple[tuple[int, int], ...] = ((8, 6), (7, 5), (9, 4))
+SHAPES: tuple[tuple[int, int], ...] = ((8, 6), (7, 5))
 TARGETS: tuple[tuple[Placement, ...], ...] = (
     (Replicate(), Replicate()),
     (Shard(0), Shard(0)),
@@ -115,7 +116,7 @@ def test_strided_shard_distribute_and_redistribute_match_torchs_shards_on_four_r
         assert failures == []
 
 
-def _optimizer_step_on_strided_params() -> dict[str, object]:
+def _optimizer_step_on_strided_params() -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -128,14 +129,16 @@ def _optimizer_step_on_strided_params() -> dict[str, object]:
     }
     full = {n: torch.randn(s) for n, s in shapes.items()}
     grads = {n: torch.randn(s) for n, s in shapes.items()}
-    params = [torch.nn.Parameter(distribute_tensor(full[n], mesh, layouts[n])) for n in shapes]
+    params: list[Any] = [
+        torch.nn.Parameter(distribute_tensor(full[n], mesh, layouts[n])) for n in shapes
+    ]
     for p, n in zip(params, shapes, strict=True):
         p.grad = distribute_tensor(grads[n], mesh, layouts[n])
     opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
     with strict_mode(), CommDebugMode() as comm:
         opt.step()
-        doubled = params[0] * 2 + params[0]  # pointwise, no collective
-    one = [torch.nn.Parameter(full[n].clone()) for n in shapes]
+        doubled: Any = params[0] * 2 + params[0]  # pointwise, no collective
+    one: list[Any] = [torch.nn.Parameter(full[n].clone()) for n in shapes]
     for p, n in zip(one, shapes, strict=True):
         p.grad = grads[n].clone()
     torch.optim.AdamW(one, lr=0.1, foreach=True).step()
@@ -143,16 +146,16 @@ def _optimizer_step_on_strided_params() -> dict[str, object]:
     one_total = torch.nn.utils.clip_grad_norm_(one, max_norm=0.5)
     return {
         "counts": comm.counts(),
-        "placements": [p.placements for p in params] + [doubled.placements],
+        "placements": [mine.placements for mine in params] + [doubled.placements],
         "params": [
-            torch.allclose(p.full_tensor(), o.detach(), atol=1e-6)
-            for p, o in zip(params, one, strict=True)
+            torch.allclose(mine.full_tensor(), o.detach(), atol=1e-6)
+            for mine, o in zip(params, one, strict=True)
         ],
         "doubled": torch.allclose(doubled.full_tensor(), params[0].full_tensor() * 3),
         "grads": [
-            torch.allclose(p.grad.full_tensor(), o.grad, atol=1e-6)
-            for p, o in zip(params, one, strict=True)
-        ],  # type: ignore[union-attr]
+            torch.allclose(mine.grad.full_tensor(), o.grad, atol=1e-6)
+            for mine, o in zip(params, one, strict=True)
+        ],
         "total": float(total),
         "one_total": float(one_total),
     }
@@ -168,4 +171,4 @@ def test_optimizer_step_and_clipping_keep_strided_params_local_on_four_ranks() -
             (SS(0, sf=2), Shard(0)),
         ]
         assert got["params"] == [True] * 3 and got["grads"] == [True] * 3 and got["doubled"]
-        assert abs(got["total"] - got["one_total"]) <= 1e-5 * abs(got["one_total"])  # type: ignore[operator]
+        assert abs(got["total"] - got["one_total"]) <= 1e-5 * abs(got["one_total"])
