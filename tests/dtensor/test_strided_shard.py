@@ -15,6 +15,7 @@ import torch
 import torch.distributed.tensor as tdt
 from tests._harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as TorchStridedShard
 
 from hyper_parallel.dtensor import (
@@ -27,6 +28,7 @@ from hyper_parallel.dtensor import (
     init_device_mesh,
     strict_mode,
 )
+from hyper_parallel.dtensor.fsdp._param_group import _strided_is_nested
 from hyper_parallel.dtensor.placement_types import _StridedShard
 
 SS = _StridedShard
@@ -172,3 +174,26 @@ def test_optimizer_step_and_clipping_keep_strided_params_local_on_four_ranks() -
         ]
         assert got["params"] == [True] * 3 and got["grads"] == [True] * 3 and got["doubled"]
         assert abs(got["total"] - got["one_total"]) <= 1e-5 * abs(got["one_total"])
+
+
+def test_fully_shard_writes_strided_exactly_where_it_names_the_rows_fsdp_holds() -> None:
+    # Oracle: torch's own placement arithmetic against FSDP's rows (chunk i of TP shard j).
+    for length in range(1, 12):
+        for dp in (1, 2, 3, 4):
+            for tp in (2, 3):
+                agree = True
+                for i in range(dp):
+                    for j in range(tp):
+                        tp_rows = torch.arange(length).chunk(tp)
+                        mine = tp_rows[j].chunk(dp) if j < len(tp_rows) else ()
+                        rows = mine[i] if i < len(mine) else torch.arange(0)
+                        shape, offset = _compute_local_shape_and_global_offset(
+                            (length,),
+                            (dp, tp),
+                            [i, j],
+                            [TorchStridedShard(0, split_factor=tp), tdt.Shard(0)],
+                        )
+                        same = shape[0] == len(rows) and (not len(rows) or offset[0] == rows[0])
+                        agree = agree and same
+                assert _strided_is_nested(length, dp, tp) == agree, (length, dp, tp)
+    assert not _strided_is_nested(7, 3, 2)  # the case the README names
