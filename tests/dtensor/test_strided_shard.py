@@ -16,6 +16,7 @@ import torch.distributed.tensor as tdt
 from tests._harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 from torch.distributed.tensor.placement_types import _StridedShard as TorchStridedShard
 
 from hyper_parallel.dtensor import (
@@ -197,3 +198,65 @@ def test_fully_shard_writes_strided_exactly_where_it_names_the_rows_fsdp_holds()
                         agree = agree and same
                 assert _strided_is_nested(length, dp, tp) == agree, (length, dp, tp)
     assert not _strided_is_nested(7, 3, 2)  # the case the README names
+
+
+def _views_on_both() -> list[tuple[str, Any, Any, dict[str, int], int, bool, bool]]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,))
+    tmesh = torch_init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    a, w = torch.randn(8, 4, 6), torch.randn(6, 5)
+    cases: list[tuple[str, Any, tuple[torch.Tensor, ...], tuple[Placement, ...]]] = [
+        ("flatten of S2", lambda t: t.flatten(), (a,), (Shard(2),)),
+        ("flatten(0, 1) of S1", lambda t: t.flatten(0, 1), (a,), (Shard(1),)),
+        ("reshape(32, 6) of S1", lambda t: t.reshape(32, 6), (a,), (Shard(1),)),
+        (
+            "flatten then unflatten",
+            lambda t: t.flatten().unflatten(0, (8, 4, 6)),
+            (a,),
+            (Shard(2),),
+        ),
+        ("matmul of 3-d S1 by 2-d", torch.matmul, (a, w), (Shard(1), Replicate())),
+    ]
+    out = []
+    for name, fn, args, placements in cases:
+        ours = [
+            distribute_tensor(x.clone().requires_grad_(), mesh, [p])
+            for x, p in zip(args, placements, strict=True)
+        ]
+        theirs = [
+            tdt.distribute_tensor(x.clone().requires_grad_(), tmesh, [to_torch(p)])
+            for x, p in zip(args, placements, strict=True)
+        ]
+        with CommDebugMode() as comm:
+            got = fn(*ours)
+            got.sum().backward()
+        with TorchCommDebugMode() as tcomm:  # type: ignore[no-untyped-call]
+            want = fn(*theirs)
+            want.sum().backward()
+        leaves = [x.clone().requires_grad_() for x in args]
+        fn(*leaves).sum().backward()
+        grads_ok = all(
+            torch.allclose(o.grad.full_tensor(), leaf.grad, atol=1e-5)  # type: ignore[union-attr,arg-type]
+            for o, leaf in zip(ours, leaves, strict=True)
+        )
+        out.append(
+            (
+                name,
+                repr(got.placements),
+                repr(want.placements),
+                comm.counts(),
+                tcomm.get_total_counts(),
+                torch.allclose(got.full_tensor(), fn(*args), atol=1e-5),
+                grads_ok,
+            )
+        )
+    return out
+
+
+def test_views_and_matmul_keep_strided_shards_as_torch_with_no_collective_on_two_ranks() -> None:
+    for results in run_on_ranks(_views_on_both, 2, timeout_s=240):
+        for name, ours, theirs, counts, torch_count, values_ok, grads_ok in results:
+            assert ours == theirs, (name, ours, theirs)
+            assert values_ok and grads_ok, name
+            assert sum(counts.values()) == torch_count, (name, counts, torch_count)
