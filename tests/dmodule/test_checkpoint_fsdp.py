@@ -157,9 +157,10 @@ def test_fsdp_x_tp_llama_trains_as_one_process_and_its_state_dicts_round_trip(
             assert torch.equal(got["hf_full"][key], want), (what, "load_hf", key)
             assert got["hf_local"][key] < want.numel(), (what, "a full tensor was read", key)
         assert abs(got["loss"] - loss) <= 1e-5 * abs(loss), (what, got["loss"], loss)
-        # a Rowwise weight is (Shard(0), Shard(1)) on (dp_shard, tp); a Colwise one nests on (tp, dp_shard)
+        # on (dp_shard, tp), as torch's fully_shard + TP: a Rowwise weight (Shard(0), Shard(1)),
+        # a Colwise one (_StridedShard(0, sf=2), Shard(0)) (str: torch's "_S(0, 2)")
         assert got["placements"]["layers.0.attention.wo.weight"] == ("Shard(dim=0)", "Shard(dim=1)")
-        assert got["placements"]["layers.0.attention.wq.weight"] == ("Shard(dim=0)", "Shard(dim=0)")
+        assert got["placements"]["layers.0.attention.wq.weight"] == ("_S(0, 2)", "Shard(dim=0)")
         for key, want in msd.items():
             assert_close_to_scale(got["full_model"][key], want, rel=1e-4, what=f"{what} {key}")
         for key, want in ref_optim.items():

@@ -128,7 +128,7 @@ def train(api: Api, shape: tuple[int, ...], mode: str, **kwargs: Any) -> dict[st
 
 def layout(p: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A DTensor's mesh axis names and placements as plain strings (either side)."""
-    placements = tuple(type(x).__name__ + str(getattr(x, "dim", "")) for x in p.placements)
+    placements = tuple(repr(x) for x in p.placements)
     return tuple(p.device_mesh.mesh_dim_names), placements
 
 

@@ -113,7 +113,7 @@ def sides(mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> 
 
 
 def layout(value: Any) -> Any:
-    """Placements as comparable plain values: ``("S", 0)``, ``("R",)``, ``("P", "sum")``.
+    """Placements as comparable plain values: ``("S", 0)``, ``("SS", 0, 2)``, ``("R",)``, ``("P", "sum")``.
 
     A DTensor gives its placements' tuple; a list/tuple of DTensors gives a list; a
     plain tensor gives ``"plain"``.
@@ -125,7 +125,9 @@ def layout(value: Any) -> Any:
         return "plain"
     out: list[tuple[Any, ...]] = []
     for p in placements:
-        if p.is_shard():
+        if hasattr(p, "split_factor"):  # _StridedShard (not a Shard, on either side)
+            out.append(("SS", p.dim, int(p.split_factor)))
+        elif p.is_shard():
             out.append(("S", p.dim))
         elif p.is_partial():
             out.append(("P", str(p.reduce_op)))

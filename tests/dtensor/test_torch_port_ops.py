@@ -312,14 +312,6 @@ DIFFERENT: dict[str, Expected] = {
     "embedding sharded ids": ((("S", 1),), {}),
 }
 TORCH_LACKS: frozenset[str] = frozenset()
-# Known gaps (out of reach here): torch keeps these local through its _StridedShard
-# view layout (a dim merged with a sharded inner dim), which hp-dtensor's view rules
-# lack, so hp gathers once. Values are right; hp's layout and collectives are pinned
-# so that closing the gap shows up as a failure to update here (like xfail(strict)).
-GAPS: dict[str, Expected] = {
-    "view flatten of S2": ((("R",),), {"all_gather": 1}),
-    "matrix matmul of 3-d by 2-d": ((("R",),), {"all_gather": 1}),
-}
 
 
 def _both(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -329,10 +321,4 @@ def _both(world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def test_torch_op_cases_like_torch() -> None:
     for ours, theirs in run_on_ranks(_both, 4, 4, timeout_s=300.0):
-        gaps = {name: ours.pop(name) for name in GAPS}
         assert_like_torch(ours, theirs, DIFFERENT, TORCH_LACKS)
-        for name, mine in gaps.items():
-            assert mine["close"] and mine["fallbacks"] == {}, (name, mine)
-            assert (mine["layout"], mine["forward"]) == GAPS[name], (name, mine)
-            torch_result = theirs[name]
-            assert (torch_result["layout"], torch_result["forward"]) != GAPS[name], torch_result

@@ -37,12 +37,20 @@ from hyper_parallel.dtensor._tensor import (
 from hyper_parallel.dtensor.debug import CommDebugMode
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.dtensor.device_mesh import _rebuild_mesh as _rebuild_mesh
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _strided_shard,
+    _StridedShard,
+)
 
 # As torch.distributed.tensor does for its classes: torch.load(weights_only=True) may rebuild them.
 _torch.serialization.add_safe_globals(
     [DTensor, DeviceMesh, Shard, Replicate, Partial, _rebuild_mesh, _rebuild_dtensor]
 )
+_torch.serialization.add_safe_globals([_StridedShard, _strided_shard])
 # torch.compile: every DTensor op a clean graph break (registered when dynamo loads)
 _install_compile_support()
 

@@ -21,15 +21,21 @@ are built with the class at hand, which a pickle carries), so imports flow one w
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from hyper_parallel.dtensor._autograd import ensure_leaf_grad_hook
-from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, local_shape_and_offset
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    TensorMeta,
+    local_indices,
+    local_shape_and_offset,
+)
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Placement
+from hyper_parallel.dtensor.placement_types import Placement, _StridedShard
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -123,8 +129,16 @@ def deepcopy_dtensor(dt: DTensor, memo: dict[int, object]) -> DTensor:
 # -- DCP's checkpointable protocol --------------------------------------------------------
 
 
-def _local_chunk(dt: DTensor, where: str) -> tuple[torch.Size, torch.Size] | None:
-    """``(sizes, offsets)`` of this rank's chunk, or None when the rank is outside the mesh."""
+_Chunk = tuple[torch.Size, torch.Size, tuple[int, ...]]
+"""``(sizes, global offsets, local offsets)`` of one box of a rank's shard."""
+
+
+def _local_chunks(dt: DTensor, where: str) -> list[_Chunk]:
+    """The boxes of the global tensor this rank holds (none outside the mesh).
+
+    One box, unless a ``_StridedShard`` spreads the rank's positions of a dim: then one
+    box per run of consecutive positions of each such dim.
+    """
     spec = dt._spec
     if spec.has_partial():
         raise ValueError(
@@ -133,11 +147,35 @@ def _local_chunk(dt: DTensor, where: str) -> tuple[torch.Size, torch.Size] | Non
         )
     coordinate = spec.mesh.get_coordinate()
     if coordinate is None:
-        return None
-    sizes, offsets = local_shape_and_offset(
-        spec.shape, spec.mesh.shape, coordinate, spec.placements
-    )
-    return torch.Size(sizes), torch.Size(offsets)
+        return []
+    if not any(isinstance(p, _StridedShard) for p in spec.placements):
+        sizes, offsets = local_shape_and_offset(
+            spec.shape, spec.mesh.shape, coordinate, spec.placements
+        )
+        return [(torch.Size(sizes), torch.Size(offsets), (0,) * len(sizes))]
+    # per dim, runs of consecutive global positions: (global start, local start, length)
+    runs: list[list[tuple[int, int, int]]] = []
+    held = local_indices(spec.shape, spec.mesh.shape, coordinate, spec.placements)
+    for size, positions in zip(spec.shape, held, strict=True):
+        if positions is None:
+            runs.append([(0, 0, size)])
+            continue
+        dim_runs: list[tuple[int, int, int]] = []
+        for local, position in enumerate(positions):
+            if dim_runs and dim_runs[-1][0] + dim_runs[-1][2] == position:
+                start, local_start, length = dim_runs[-1]
+                dim_runs[-1] = (start, local_start, length + 1)
+            else:
+                dim_runs.append((position, local, 1))
+        runs.append(dim_runs or [(size, 0, 0)])
+    return [
+        (
+            torch.Size(r[2] for r in box),
+            torch.Size(r[0] for r in box),
+            tuple(r[1] for r in box),
+        )
+        for box in itertools.product(*runs)
+    ]
 
 
 def create_write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
@@ -150,10 +188,6 @@ def create_write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    chunk = _local_chunk(dt, f"DCP save of {fqn!r}")
-    if chunk is None:
-        return []
-    sizes, offsets = chunk
     return [
         WriteItem(
             index=MetadataIndex(fqn, offsets),
@@ -164,6 +198,7 @@ def create_write_items(dt: DTensor, fqn: str) -> list[WriteItem]:
                 size=torch.Size(dt._spec.shape),
             ),
         )
+        for sizes, offsets, _ in _local_chunks(dt, f"DCP save of {fqn!r}")
     ]
 
 
@@ -171,11 +206,10 @@ def create_chunk_list(dt: DTensor) -> list[ChunkStorageMetadata]:
     """``DTensor.__create_chunk_list__``: the chunk this rank holds (none outside the mesh)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata  # see above
 
-    chunk = _local_chunk(dt, "DCP load")
-    if chunk is None:
-        return []
-    sizes, offsets = chunk
-    return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
+    return [
+        ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+        for sizes, offsets, _ in _local_chunks(dt, "DCP load")
+    ]
 
 
 def get_tensor_shard(dt: DTensor, index: MetadataIndex) -> torch.Tensor:
@@ -183,6 +217,18 @@ def get_tensor_shard(dt: DTensor, index: MetadataIndex) -> torch.Tensor:
 
     Called once per read or written chunk, so it checks only what can be wrong here.
     """
-    if dt._spec.has_partial():
-        _local_chunk(dt, f"DCP access to {index.fqn!r}")  # raises the Partial error
-    return dt._local_tensor
+    spec = dt._spec
+    if spec.has_partial():
+        _local_chunks(dt, f"DCP access to {index.fqn!r}")  # raises the Partial error
+    if not any(isinstance(p, _StridedShard) for p in spec.placements):
+        return dt._local_tensor
+    for sizes, offsets, local_offsets in _local_chunks(dt, f"DCP access to {index.fqn!r}"):
+        if index.offset is None or tuple(offsets) == tuple(index.offset):
+            box = dt._local_tensor
+            for dim, (start, length) in enumerate(zip(local_offsets, sizes, strict=True)):
+                if length != box.shape[dim]:
+                    box = box.narrow(dim, start, length)
+            return box  # a view: DCP reads into it in place
+    raise ValueError(
+        f"DCP access to {index.fqn!r}: this rank holds no chunk at offsets {index.offset}"
+    )

@@ -17,7 +17,7 @@ from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._spec import partial_to_replicate
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Placement
+from hyper_parallel.dtensor.placement_types import Placement, is_shard_like
 
 __all__ = ["clip_grad_norm_"]
 
@@ -55,7 +55,7 @@ def clip_grad_norm_(
                 grad = grad.redistribute(grad.device_mesh, partial_to_replicate(placements))
                 placements = grad.placements
             local: torch.Tensor = grad._local_tensor  # type: ignore[attr-defined]
-            axes = tuple(i for i, p in enumerate(placements) if p.is_shard())
+            axes = tuple(i for i, p in enumerate(placements) if is_shard_like(p))
             key: tuple[DeviceMesh, tuple[int, ...]] | None = (grad.device_mesh, axes)
         else:
             local, key = grad, None

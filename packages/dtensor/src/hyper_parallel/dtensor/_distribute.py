@@ -20,10 +20,11 @@ from hyper_parallel.dtensor._spec import (
     normalize_placements,
     partial_to_replicate,
     replicate_all,
+    strided_positions,
 )
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
-from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 __all__ = ["distribute_tensor"]
 
@@ -152,6 +153,9 @@ def _scatter_from(
         else:
             buffer = piece if r == root else piece.new_empty(shape)
             piece = collectives.broadcast(buffer, mesh, axis, root)
+            if isinstance(p, _StridedShard):  # positions spread over the dim: select locally
+                index = strided_positions(shape[p.dim], p.split_factor, n, r)
+                piece = piece.index_select(p.dim, torch.tensor(index, device=piece.device))
     if piece.data_ptr() == full.data_ptr() or piece is full:
         piece = piece.clone()
     return piece

@@ -51,6 +51,13 @@ from hyper_parallel.dtensor._spec import (
     local_shape_and_offset,
     replicate_all,
 )
+from hyper_parallel.dtensor._strided import (
+    has_strided,
+    keeps_strided,
+    restore_strided,
+    sees_strided,
+    shown_call,
+)
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement
 
@@ -305,7 +312,10 @@ class Planner:
         ]
         spec_args, spec_kwargs = self.swap_dtensors(args, kwargs, specs)
         call = OpCall(info.func, spec_args, spec_kwargs, specs, mesh, out_metas)
-        decision = _decide(info.rule, call)
+        if has_strided(specs):
+            decision = _decide_on_strided(info.rule, call)
+        else:
+            decision = _decide(info.rule, call)
         if isinstance(decision, str):
             return _fallback_plan(info, mutation, decision)
         moves, moved_specs = _moves(specs, decision)
@@ -576,6 +586,21 @@ def _decide(rule: Rule, call: OpCall) -> Decision | str:
     if problem:
         raise RuleError(f"{call.func}: its sharding rule gave {problem}")
     return decision
+
+
+def _decide_on_strided(rule: Rule, call: OpCall) -> Decision | str:
+    """The decision of a call with strided shards (see ``_strided``): kept where the op allows."""
+    if sees_strided(call.func):
+        decision = _decide(rule, call)
+        if not isinstance(decision, str):
+            return decision
+    elif keeps_strided(call.func):
+        decision = _decide(rule, shown_call(call, as_shard=True))
+        if not isinstance(decision, str):
+            restored = restore_strided(call, decision)
+            if restored is not None:
+                return restored
+    return _decide(rule, shown_call(call, as_shard=False))
 
 
 def _check_decision(

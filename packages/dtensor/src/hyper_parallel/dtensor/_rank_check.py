@@ -16,7 +16,14 @@ from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._redistribute import PlacementError
 from hyper_parallel.dtensor._spec import local_shape_and_offset
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+    is_shard_like,
+)
 from hyper_parallel.platform import get_platform
 
 __all__ = ["RankRecord", "check_distribute_inputs", "check_local_shards"]
@@ -57,10 +64,15 @@ def _encode(record: RankRecord, mesh_ndim: int) -> torch.Tensor:
             values += [1, p.dim]
         elif isinstance(p, Partial):
             values += [2, _REDUCE_OPS.index(p.reduce_op)]
+        elif isinstance(p, _StridedShard):  # dim and split factor in one int
+            values += [3, p.dim + _STRIDED_BASE * p.split_factor]
         else:
             values += [0, 0]
     values += [*record.shape, *([-1] * (_MAX_DIMS - len(record.shape)))]
     return torch.tensor(values, dtype=torch.int64)
+
+
+_STRIDED_BASE = 1 << 16  # above any tensor dim
 
 
 def _decode(row: list[int], mesh_ndim: int) -> RankRecord:
@@ -71,6 +83,8 @@ def _decode(row: list[int], mesh_ndim: int) -> RankRecord:
             placements.append(Shard(value))
         elif kind == 2:
             placements.append(Partial(_REDUCE_OPS[value]))  # type: ignore[arg-type]
+        elif kind == 3:
+            placements.append(_StridedShard(value % _STRIDED_BASE, sf=value // _STRIDED_BASE))
         else:
             placements.append(Replicate())
     start = 3 + 2 * mesh_ndim
@@ -150,7 +164,7 @@ def check_local_shards(
         raise PlacementError(_first_mismatch(records, mesh, what, "shape") or what)
     origin = tuple(0 for _ in mesh.shape)
     first = records[origin]
-    sharded = {p.dim for p in placements if isinstance(p, Shard)}
+    sharded = {p.dim for p in placements if is_shard_like(p)}  # type: ignore[attr-defined]
     for coordinate, record in records.items():
         for dim, size in enumerate(record.shape):
             if dim not in sharded and shape is None and size != first.shape[dim]:
@@ -163,7 +177,7 @@ def check_local_shards(
     if shape is None:
         sizes = list(records[origin].shape)
         for dim in range(len(sizes)):
-            axes = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+            axes = [a for a, p in enumerate(placements) if is_shard_like(p) and p.dim == dim]  # type: ignore[attr-defined]
             if axes:
                 sizes[dim] = sum(
                     r.shape[dim]

@@ -2,7 +2,9 @@
 
 Per mesh axis: S->R all-gather, P->R all-reduce, P->S reduce-scatter, S(i)->S(j)
 all-to-all, R->S a local slice. Uneven and empty shards follow ``torch.chunk``:
-shards are padded to the largest chunk for the collective and trimmed after.
+shards are padded to the largest chunk for the collective and trimmed after. A
+``_StridedShard`` moves like a Shard whose chunk is a set of positions: gathered by one
+all-gather put back in order, reached from Replicate by a local selection.
 """
 
 from __future__ import annotations
@@ -13,9 +15,20 @@ from collections.abc import Sequence
 import torch
 
 from hyper_parallel.dtensor import collectives
-from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
+from hyper_parallel.dtensor._spec import (
+    DTensorSpec,
+    chunk_bounds,
+    local_shape_and_offset,
+    strided_positions,
+)
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 __all__ = [
     "PlacementError",
@@ -109,20 +122,24 @@ def _dim_size_at_axis(
     return shape[dim]
 
 
+def _shards_dim(p: Placement, dim: int) -> bool:
+    return isinstance(p, (Shard, _StridedShard)) and p.dim == dim
+
+
 def _gather_set(
     src: Sequence[Placement], dst: Sequence[Placement], use_all_to_all: set[int]
 ) -> set[int]:
     """Mesh axes whose shard must be all-gathered (inner nested shards of a moving dim too)."""
     gather: set[int] = set()
     for i, s in enumerate(src):
-        if not isinstance(s, Shard) or i in use_all_to_all:
+        if not isinstance(s, (Shard, _StridedShard)) or i in use_all_to_all:
             continue
         if dst[i] != s:
             gather.add(i)
             continue
         for k in range(i):
-            outer_moves = src[k] == s and k in gather
-            outer_new = dst[k] == s and src[k] != s
+            outer_moves = _shards_dim(src[k], s.dim) and k in gather
+            outer_new = _shards_dim(dst[k], s.dim) and src[k] != dst[k]
             if outer_moves or outer_new:
                 gather.add(i)
                 break
@@ -132,7 +149,7 @@ def _gather_set(
 def _is_lone_shard(dim: int, axis: int, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """True when no mesh axis but ``axis`` shards tensor dim ``dim`` before or after."""
     return not any(
-        (isinstance(p, Shard) and p.dim == dim)
+        _shards_dim(p, dim)
         for placements in (src, dst)
         for i, p in enumerate(placements)
         if i != axis
@@ -218,13 +235,16 @@ def redistribute_local(
     # 1. all-gather, innermost axis first, so nested shards of one dim unwind in order.
     for axis in sorted(gather, reverse=True):
         p = current[axis]
-        assert isinstance(p, Shard)
         n = mesh.size(axis)
-        parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)
-        bounds = chunk_bounds(parent, n)
-        padded = pad_dim(local, p.dim, bounds[1] - bounds[0])
-        stacked = collectives.all_gather(padded, mesh, axis, async_op=async_op)
-        local = _stacked_to_dim(stacked, p.dim, bounds)
+        parent = _dim_size_at_axis(global_shape, mesh, coordinate, current, axis, p.dim)  # type: ignore[attr-defined]
+        if isinstance(p, _StridedShard):
+            local = _gather_strided(local, p, parent, mesh, axis, async_op)
+        else:
+            assert isinstance(p, Shard)
+            bounds = chunk_bounds(parent, n)
+            padded = pad_dim(local, p.dim, bounds[1] - bounds[0])
+            stacked = collectives.all_gather(padded, mesh, axis, async_op=async_op)
+            local = _stacked_to_dim(stacked, p.dim, bounds)
         current[axis] = Replicate()
 
     # 2. reduce partial values: all-reduce, or reduce-scatter straight into a lone shard.
@@ -266,6 +286,14 @@ def redistribute_local(
 
     # 4. local slices, outermost axis first.
     for axis, d in enumerate(dst):
+        if isinstance(d, _StridedShard) and current[axis] != d:
+            assert current[axis] == Replicate(), (current, dst)
+            positions = strided_positions(
+                local.shape[d.dim], d.split_factor, mesh.size(axis), mesh.get_local_rank(axis)
+            )
+            index = torch.tensor(positions, dtype=torch.long, device=local.device)
+            local = local.index_select(d.dim, index)
+            current[axis] = d
         if isinstance(d, Shard) and current[axis] != d:
             assert current[axis] == Replicate(), (current, dst)
             n = mesh.size(axis)
@@ -281,6 +309,36 @@ def redistribute_local(
             local = partition_replicated(local, d, mesh.get_local_rank(axis), mesh.size(axis))
             current[axis] = d
     return local
+
+
+def _gather_strided(
+    local: torch.Tensor,
+    p: _StridedShard,
+    parent: int,
+    mesh: DeviceMesh,
+    axis: int,
+    async_op: bool,
+) -> torch.Tensor:
+    """All-gather the ``_StridedShard`` chunks of mesh axis ``axis``, put back in order.
+
+    Chunks are padded to the longest for the collective; the gathered positions (rank
+    0's, then rank 1's, ...) are then sorted back by one ``index_select``.
+    """
+    n = mesh.size(axis)
+    held = [strided_positions(parent, p.split_factor, n, r) for r in range(n)]
+    longest = max(len(h) for h in held)
+    stacked = collectives.all_gather(pad_dim(local, p.dim, longest), mesh, axis, async_op=async_op)
+    # position k of the parent sits at slot (r, i) of the stacked chunks: flat r * longest + i
+    source = [0] * parent
+    for r, positions in enumerate(held):
+        for i, k in enumerate(positions):
+            source[k] = r * longest + i
+    flat = stacked.movedim(0, p.dim)
+    shape = list(flat.shape)
+    shape[p.dim : p.dim + 2] = [shape[p.dim] * shape[p.dim + 1]]
+    flat = flat.reshape(shape)
+    index = torch.tensor(source, dtype=torch.long, device=flat.device)
+    return flat.index_select(p.dim, index)
 
 
 def partition_replicated(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 if TYPE_CHECKING:
     from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -20,11 +20,13 @@ __all__ = [
     "chunk_bounds",
     "chunk_range",
     "contiguous_strides",
+    "local_indices",
     "local_shape_and_offset",
     "local_shard",
     "normalize_placements",
     "partial_to_replicate",
     "replicate_all",
+    "strided_positions",
 ]
 
 
@@ -191,15 +193,15 @@ def _normalize(
                 f"{where}: mesh axis {axis}: expected a Placement (Shard, Replicate, Partial), "
                 f"found {p!r}"
             )
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             dim = p.dim + tensor_ndim if p.dim < 0 else p.dim
             if not 0 <= dim < tensor_ndim:
                 raise ValueError(
-                    f"{where}: mesh axis {axis}: Shard(dim={p.dim}) is out of range "
+                    f"{where}: mesh axis {axis}: {p!r} is out of range "
                     f"for a tensor with {tensor_ndim} dim(s)"
                 )
             if dim != p.dim:
-                p = Shard(dim)
+                p = Shard(dim) if isinstance(p, Shard) else _StridedShard(dim, sf=p.split_factor)
         result.append(p)
     return tuple(result)
 
@@ -222,12 +224,77 @@ def local_shape_and_offset(
     """
     shape = list(global_shape)
     offset = [0] * len(shape)
+    strided = False
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             start, length = chunk_range(shape[p.dim], mesh_shape[axis], coordinate[axis])
             offset[p.dim] += start
             shape[p.dim] = length
+        elif isinstance(p, _StridedShard):
+            strided = True
+    if not strided:
+        return tuple(shape), tuple(offset)
+    # a strided shard holds positions that need not be contiguous: its offset is the first
+    # one (the dim's size when it holds none), as torch's compute_local_shape_and_global_offset
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for dim, positions in enumerate(
+        local_indices(global_shape, mesh_shape, coordinate, placements)
+    ):
+        if positions is not None:
+            shape[dim] = len(positions)
+            offset[dim] = positions[0] if positions else global_shape[dim]
     return tuple(shape), tuple(offset)
+
+
+def strided_positions(size: int, split_factor: int, num_chunks: int, index: int) -> list[int]:
+    """Positions (of ``range(size)``) that chunk ``index`` of ``_StridedShard(split_factor)`` holds.
+
+    The dim is cut into ``split_factor`` pieces and each piece into ``num_chunks`` chunks
+    (both as ``torch.chunk``); chunk ``index`` is the ``index``-th chunk of every piece.
+
+    Example::
+
+        >>> strided_positions(8, 2, 2, 1)
+        [2, 3, 6, 7]
+    """
+    positions: list[int] = []
+    for j in range(split_factor):
+        start, length = chunk_range(size, split_factor, j)
+        sub, sub_length = chunk_range(length, num_chunks, index)
+        positions.extend(range(start + sub, start + sub + sub_length))
+    return positions
+
+
+def local_indices(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> list[list[int] | None]:
+    """Per tensor dim, the global positions this rank holds in order (``None``: the whole dim).
+
+    Mesh axes apply in order, each to what the earlier ones left: ``Shard`` takes its
+    ``torch.chunk``, ``_StridedShard`` its chunk of every piece.
+
+    Example::
+
+        >>> local_indices((8,), (2,), (1,), (_StridedShard(0, sf=2),))
+        [[2, 3, 6, 7]]
+    """
+    result: list[list[int] | None] = [None] * len(global_shape)
+    for axis, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        held = result[p.dim]
+        if held is None:
+            held = list(range(global_shape[p.dim]))
+        n, r = mesh_shape[axis], coordinate[axis]
+        if isinstance(p, Shard):
+            start, length = chunk_range(len(held), n, r)
+            result[p.dim] = held[start : start + length]
+        else:
+            result[p.dim] = [held[k] for k in strided_positions(len(held), p.split_factor, n, r)]
+    return result
 
 
 def local_shard(
@@ -243,6 +310,15 @@ def local_shard(
         >>> local_shard(torch.arange(5), (2,), (1,), (Shard(0),))
         tensor([3, 4])
     """
+    if any(isinstance(p, _StridedShard) for p in placements):
+        local = full
+        for dim, positions in enumerate(
+            local_indices(full.shape, mesh_shape, coordinate, placements)
+        ):
+            if positions is not None:
+                index = torch.tensor(positions, dtype=torch.long, device=full.device)
+                local = local.index_select(dim, index)
+        return local.clone(memory_format=torch.contiguous_format)
     shape, offset = local_shape_and_offset(full.shape, mesh_shape, coordinate, placements)
     local = full
     for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):

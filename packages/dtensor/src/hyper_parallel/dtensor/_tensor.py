@@ -29,7 +29,7 @@ from hyper_parallel.dtensor._spec import (
     replicate_all,
 )
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, current_mesh
-from hyper_parallel.dtensor.placement_types import Placement, Shard
+from hyper_parallel.dtensor.placement_types import Placement, Shard, _StridedShard
 
 __all__ = [
     "DTensor",
@@ -389,7 +389,7 @@ def _even_global_shape(
     """The global shape of even shards: each sharded dim times its axes' sizes."""
     sizes = list(local_shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             sizes[p.dim] *= mesh.size(axis)
     return tuple(sizes)
 

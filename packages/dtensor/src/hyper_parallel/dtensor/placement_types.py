@@ -1,10 +1,18 @@
-"""Placements: how one mesh axis lays a tensor out (Shard, Replicate, Partial)."""
+"""Placements: how one mesh axis lays a tensor out (Shard, _StridedShard, Replicate, Partial)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["Partial", "Placement", "ReduceOp", "Replicate", "Shard"]
+__all__ = [
+    "Partial",
+    "Placement",
+    "ReduceOp",
+    "Replicate",
+    "Shard",
+    "_StridedShard",
+    "is_shard_like",
+]
 
 ReduceOp = Literal["sum", "avg", "product", "max", "min"]
 _REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "max", "min")
@@ -87,6 +95,75 @@ class Shard(Placement):
 
     def __reduce__(self) -> tuple[type[Shard], tuple[int]]:
         return (Shard, (self.dim,))
+
+
+class _StridedShard(Placement):
+    """A shard of a shard: tensor dim ``dim`` split across the mesh axis as if later axes split it first.
+
+    torch's ``_StridedShard`` (same name, ``repr``, ``str`` and semantics): the dim, as
+    this mesh axis sees it, is cut into ``split_factor`` pieces (``torch.chunk``), each
+    piece is cut into one chunk per rank of the axis, and a rank holds its chunk of every
+    piece, in order. It is what FSDP writes on the data-parallel axis of a parameter that
+    tensor parallelism already shards on the same dim (``split_factor`` = the TP degree):
+    ``(_StridedShard(0, sf=2), Shard(0))`` on ``(dp, tp)`` holds on rank ``(i, j)`` the
+    ``i``-th FSDP chunk of the ``j``-th TP shard. Views that merge a sharded dim into a
+    leading one (``flatten`` of ``Shard(2)``) keep their shards this way too. Like torch's,
+    it is not a ``Shard``: ``is_shard()`` is ``False`` and ``_StridedShard(0, sf=1) !=
+    Shard(0)``.
+
+    Example::
+
+        >>> _StridedShard(0, split_factor=2)
+        _StridedShard(dim=0, sf=2)
+    """
+
+    __slots__ = ("dim", "split_factor")
+    dim: int
+    split_factor: int
+
+    def __new__(cls, dim: int, *, split_factor: int = 1, sf: int | None = None) -> _StridedShard:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("_StridedShard: pass split_factor or sf, not both")
+            split_factor = sf
+        interned = _instances_of[cls]
+        key = (type(dim), dim, type(split_factor), split_factor)
+        if key in interned:
+            return interned[key]  # type: ignore[no-any-return]
+        for name, value in (("dim", dim), ("split_factor", split_factor)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"_StridedShard({name}): expected an int, found {value!r}")
+        if split_factor < 1:
+            raise ValueError(f"_StridedShard(split_factor): expected >= 1, found {split_factor}")
+        found = interned[key] = object.__new__(cls)
+        object.__setattr__(found, "dim", int(dim))
+        object.__setattr__(found, "split_factor", int(split_factor))
+        return found  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def __reduce__(self) -> tuple[object, tuple[int, int]]:
+        return (_strided_shard, (self.dim, self.split_factor))
+
+
+def _strided_shard(dim: int, split_factor: int) -> _StridedShard:
+    """Unpickle a ``_StridedShard`` (its ``split_factor`` is keyword-only)."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_shard_like(p: Placement) -> bool:
+    """True for ``Shard`` and ``_StridedShard`` (a placement that splits a tensor dim).
+
+    Example::
+
+        >>> is_shard_like(_StridedShard(0, sf=2)), is_shard_like(Replicate())
+        (True, False)
+    """
+    return isinstance(p, (Shard, _StridedShard))
 
 
 class Replicate(Placement):

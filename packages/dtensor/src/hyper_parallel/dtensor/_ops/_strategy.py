@@ -10,7 +10,13 @@ import torch
 
 from hyper_parallel.dtensor._registry import Decision, Declined, LocalFn, OpCall
 from hyper_parallel.dtensor._spec import DTensorSpec
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 __all__ = [
     "Candidate",
@@ -30,7 +36,7 @@ def local_bytes(spec: DTensorSpec) -> float:
     """Approximate bytes of one rank's shard."""
     numel: float = math.prod(spec.shape)
     for axis, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             numel /= spec.mesh.shape[axis]
     return numel * _itemsize(spec)
 
@@ -48,7 +54,7 @@ def redistribute_cost(spec: DTensorSpec, axis: int, src: Placement, dst: Placeme
         return math.inf
     nbytes = local_bytes(spec)
     n = spec.mesh.shape[axis]
-    if isinstance(src, Shard):
+    if isinstance(src, (Shard, _StridedShard)):
         return nbytes * (n - 1) if isinstance(dst, Replicate) else nbytes
     if isinstance(src, Partial):
         return 2.0 * nbytes if isinstance(dst, Replicate) else nbytes

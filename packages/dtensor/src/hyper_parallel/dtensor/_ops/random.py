@@ -76,10 +76,11 @@ from hyper_parallel.dtensor._spec import (
     TensorMeta,
     contiguous_strides,
     local_shape_and_offset,
+    local_shard,
     partial_to_replicate,
 )
 from hyper_parallel.dtensor._tensor import DTensor, dispatch_by_rules
-from hyper_parallel.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Replicate, Shard, _StridedShard
 from hyper_parallel.platform import get_platform
 
 __all__ = ["generation_chunk"]
@@ -284,6 +285,13 @@ def fill_shard(
     if box is None or local.device.type == "meta":
         return
     meta = spec.tensor_meta
+    if any(isinstance(p, _StridedShard) for p in spec.placements):  # spread positions, no box
+        whole = torch.empty_strided(meta.shape, meta.stride, dtype=local.dtype, device=local.device)
+        func(whole, *args, **kwargs)
+        coordinate = spec.mesh.get_coordinate() or ()
+        placements = partial_to_replicate(spec.placements)
+        local.copy_(local_shard(whole, spec.mesh.shape, coordinate, placements))
+        return
     n = math.prod(meta.shape)
     chunk = _chunk_elements.get()
     device = local.device

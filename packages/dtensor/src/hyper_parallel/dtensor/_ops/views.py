@@ -9,9 +9,16 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._ops._strategy import Candidate, add_once_into_partial, choose
-from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
+from hyper_parallel.dtensor._ops.strided_views import strided_view_placement
+from hyper_parallel.dtensor._registry import Decision, Declined, OpCall, register_rule
 from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -134,7 +141,15 @@ def _view_to(shape: list[int]) -> Any:
 def _view_rule(call: OpCall) -> Decision:
     out_meta = call.out_metas[0]
     assert out_meta is not None
-    decision = _map_dims(call, _view_dim_map(call.specs[0], out_meta.shape))
+    spec = call.specs[0]
+    dim_map = _view_dim_map(spec, out_meta.shape)
+    if any(
+        isinstance(p, _StridedShard) or (isinstance(p, Shard) and dim_map[p.dim] is None)
+        for p in spec.placements
+    ):
+        decision = _strided_view(call, dim_map, out_meta.shape)
+    else:
+        decision = _map_dims(call, dim_map)
     mesh = call.mesh
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     placements = decision.outputs[0]
@@ -142,6 +157,24 @@ def _view_rule(call: OpCall) -> Decision:
     local, _ = local_shape_and_offset(out_meta.shape, mesh.shape, coordinate, placements)
     decision.local_fn = _view_to(list(local))
     return decision
+
+
+def _strided_view(call: OpCall, dim_map: list[int | None], out_shape: tuple[int, ...]) -> Decision:
+    """A view whose shards only a strided placement keeps (``strided_views``); others gathered."""
+    spec = call.specs[0]
+    groups = view_groups(spec.shape, out_shape)
+    if groups is None:
+        raise Declined(f"{call.func}: a view of {spec.shape} as {out_shape} of strided shards")
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and dim_map[p.dim] is not None:
+            kept: Placement | None = Shard(dim_map[p.dim])  # type: ignore[arg-type]
+        else:
+            kept = strided_view_placement(spec, out_shape, groups, axis)
+        ins.append(_R if kept is None else p)
+        outs.append(_R if kept is None else kept)
+    return Decision([tuple(ins)], [tuple(outs)])
 
 
 def _expand_rule(call: OpCall) -> Decision:

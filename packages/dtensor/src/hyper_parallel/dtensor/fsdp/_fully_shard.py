@@ -466,9 +466,10 @@ def fully_shard(
     that is already a DTensor of a 1-D TP mesh becomes one DTensor on the joint mesh
     of ``mesh`` and that TP mesh (both slices of one named ``DeviceMesh``): a Rowwise
     weight is ``(Shard(0), Shard(1))`` on ``(dp, tp)``; where FSDP and TP shard the
-    same dim (a Colwise weight), it is ``(Shard(0), Shard(0))`` on ``(tp, dp)``: TP
-    splits first, FSDP splits each TP shard (torch: ``_StridedShard`` on ``(dp, tp)``;
-    the same local shards and the same global tensor).
+    same dim (a Colwise weight), it is torch's ``(_StridedShard(0, sf=tp), Shard(0))``
+    on ``(dp, tp)``: rank ``(i, j)`` holds FSDP's ``i``-th chunk of the ``j``-th TP shard
+    (at uneven sizes that placement cannot describe, ``(Shard(0), Shard(0))`` on
+    ``(tp, dp)``, the same shards stated in nesting order).
 
     ``reshard_after_forward``: ``None`` reshards non-root modules after forward and
     keeps the root unsharded; ``True``/``False`` as given; an int must divide the

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._spec import chunk_range
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.fsdp._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 __all__ = ["FSDPParam", "FSDPParamGroup", "MeshInfo", "Slot"]
 
@@ -425,8 +426,15 @@ def spmd_layout(
     tp_mesh = param.device_mesh
     (tp_placement,) = param.placements
     assert callable(find_joint)
-    if tp_placement == Shard(shard_dim):
-        # dp splits the TP shard again: nested in mesh order, tp's axis before dp's shard axis
+    tp_size = tp_mesh.size()
+    if tp_placement == Shard(shard_dim) and tp_size > 1:
+        if _strided_is_nested(param.shape[shard_dim], info.shard_size, tp_size):
+            # torch's layout: dp's chunk of each TP shard, described from the dp axis
+            dp_placements[-1] = _StridedShard(shard_dim, sf=tp_size)
+            names = [info.axis_name(a) for a in dp_axes] + [*tp_mesh.mesh_dim_names]  # type: ignore[misc]
+            return find_joint(tuple(names)), (*dp_placements, tp_placement)  # type: ignore[operator,no-any-return]
+        # sizes where torch's _StridedShard would name other rows than FSDP holds: nested
+        # in mesh order, tp's axis before dp's shard axis (the same shards, stated exactly)
         names = [info.axis_name(a) for a in dp_axes[:-1]] + [
             *tp_mesh.mesh_dim_names,  # type: ignore[misc]
             info.axis_name(info.shard_axis),
@@ -437,3 +445,24 @@ def spmd_layout(
         placements = [*dp_placements, tp_placement]
     joint: DeviceMesh = find_joint(tuple(names))
     return joint, tuple(placements)
+
+
+def _strided_is_nested(length: int, dp_size: int, tp_size: int) -> bool:
+    """True when ``(_StridedShard(d, sf=tp), Shard(d))`` on (dp, tp) is FSDP's layout of a dim.
+
+    FSDP holds on rank ``(i, j)`` the ``i``-th ``torch.chunk`` of the ``j``-th TP shard.
+    The strided placement gives dp rank ``i`` its chunk ``i`` of every TP shard, and TP
+    then chunks that concatenation again: the two agree when those chunks fall exactly on
+    the TP shards' boundaries (always for even sizes).
+    """
+    for i in range(dp_size):
+        held = [
+            chunk_range(chunk_range(length, tp_size, j)[1], dp_size, i)[1] for j in range(tp_size)
+        ]
+        start = 0
+        for j, size in enumerate(held):
+            got_start, got_size = chunk_range(sum(held), tp_size, j)
+            if got_size != size or (size and got_start != start):
+                return False
+            start += size
+    return True
