@@ -14,7 +14,6 @@ from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
     chunk_bounds,
-    contiguous_strides,
     local_shape_and_offset,
     local_shard,
     normalize_placements,
@@ -75,7 +74,8 @@ def distribute_tensor(
                 f"mesh axis (as in torch), but mesh axis {name!r} has {n} ranks; expected "
                 f"0 <= src_data_rank < {n}, or None to slice every rank's own copy"
             )
-    meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
+    # the global tensor's own strides, as torch's (a transposed tensor stays transposed)
+    meta = TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
     spec = DTensorSpec(device_mesh, placements_t, meta)
     coordinate = device_mesh.get_coordinate()
     data = tensor.detach()
