@@ -288,5 +288,6 @@ def test_torch_behaviour_cases_like_torch() -> None:
         del ours["errors"], theirs["errors"]
         for side in (ours, theirs):
             for case in side["2-d"].values():
-                assert close(case["grad"], case.pop("grad want")), case
+                if "grad want" in case:
+                    assert close(case["grad"], case.pop("grad want")), case
         assert_scenarios_like_torch(ours, theirs, DIFFERENT)
