@@ -94,8 +94,9 @@ def _partials(side: Side) -> dict[str, Any]:
                 "want": ones * 2 * (n if op == "sum" else 1),
             }
     part_max = side.from_local(ones * (side.mesh.get_local_rank() + 1), [P("max")])
+    replicated = side.distribute(torch.ones(8, 8), [R()])
     with side.comm() as forward:
-        z = part_max * side.distribute(torch.ones(8, 8), [R()])
+        z = part_max * replicated
     out["P(max) * a Replicate"] = {
         "layout": layout(z),
         "forward": forward,

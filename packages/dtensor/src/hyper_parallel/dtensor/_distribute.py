@@ -14,6 +14,7 @@ from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
     chunk_bounds,
+    contiguous_strides,
     local_shape_and_offset,
     local_shard,
     normalize_placements,
@@ -74,8 +75,13 @@ def distribute_tensor(
                 f"mesh axis (as in torch), but mesh axis {name!r} has {n} ranks; expected "
                 f"0 <= src_data_rank < {n}, or None to slice every rank's own copy"
             )
-    # the global tensor's own strides, as torch's (a transposed tensor stays transposed)
-    meta = TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
+    # the global tensor's own strides, as torch's (a transposed tensor stays transposed);
+    # an expanded one's (stride 0) would make every in-place op on the result refuse to
+    # write overlapping memory, which the shards, fresh copies, do not have
+    stride = tensor.stride()
+    if any(st == 0 and size > 1 for size, st in zip(tensor.shape, stride, strict=True)):
+        stride = contiguous_strides(tensor.shape)
+    meta = TensorMeta(tensor.shape, stride, tensor.dtype)
     spec = DTensorSpec(device_mesh, placements_t, meta)
     coordinate = device_mesh.get_coordinate()
     data = tensor.detach()
