@@ -418,6 +418,28 @@ def locked_constraints(out_file: Path) -> Path:
     return out_file
 
 
+def with_torch(constraints: Path, version: str) -> Path:
+    """``constraints`` with torch pinned to ``version`` instead of uv.lock's, written beside it.
+
+    The pins that follow torch's own requirements (its CUDA libraries, triton) are left
+    free, so pip takes the ones that torch release asks for; every other pin stays.
+
+    Example::
+
+        >>> "torch==2.15.0" in with_torch(Path("/tmp/c.txt"), "2.15.0").read_text()  # doctest: +SKIP
+        True
+    """
+    follows_torch = ("torch==", "triton==", "nvidia-", "cuda-")
+    kept = [
+        line
+        for line in constraints.read_text(encoding="utf-8").splitlines()
+        if not line.strip().startswith(follows_torch)
+    ]
+    out = constraints.with_name(f"constraints-torch-{version}.txt")
+    out.write_text("\n".join([*kept, f"torch=={version}", ""]), encoding="utf-8")
+    return out
+
+
 def find_python(version: str) -> Path | None:
     """A CPython ``version`` (e.g. ``"3.10"``) interpreter on this machine, or None.
 
@@ -682,6 +704,7 @@ def build_install_test(
     workspace: Path = ROOT,
     interpreter: Path | str = sys.executable,
     pytest_args: Sequence[str] | None = (),
+    torch_version: str | None = None,
 ) -> Rehearsal:
     """Build ``package`` alone, install it into a fresh venv as its users do, and test it there.
 
@@ -692,6 +715,8 @@ def build_install_test(
        then the same with its ``test`` extra (which may add test tools only);
     3. ``pytest`` on the package's tests (``tests/<name>``), or on ``pytest_args``; none when
        ``pytest_args`` is None.
+
+    ``torch_version`` installs that torch instead of uv.lock's (an end of the declared range).
 
     Example::
 
@@ -717,9 +742,15 @@ def build_install_test(
     _say(f"== install into a fresh venv (CPython {full_version})")
     started = time.monotonic()
     constraints = locked_constraints(work / "constraints.txt")
+    if torch_version is not None:
+        constraints = with_torch(constraints, torch_version)
     fresh = install_fresh(
         package, wheels, work / "venv", constraints=constraints, interpreter=interpreter
     )
+    if torch_version is not None and fresh.for_tests.get("torch") != torch_version:
+        raise StepError(
+            f"fresh venv: expected torch=={torch_version}, found {fresh.for_tests.get('torch')}"
+        )
     _say(
         f"  {package.name} as users install it: {_count(fresh.for_users)}; "
         f"its [{TEST_EXTRA}] extra added {', '.join(fresh.added_for_tests) or 'nothing'}"

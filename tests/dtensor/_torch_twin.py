@@ -22,6 +22,7 @@ __all__ = [
     "Expected",
     "Side",
     "assert_like_torch",
+    "assert_scenarios_like_torch",
     "close",
     "full",
     "hp_side",
@@ -282,3 +283,44 @@ def assert_like_torch(
             continue
         assert mine["layout"] == torch_result["layout"], (name, mine, torch_result)
         assert mine["forward"] == torch_result["forward"], (name, mine, torch_result)
+
+
+def assert_scenarios_like_torch(
+    ours: dict[str, dict[str, dict[str, Any]]],
+    theirs: dict[str, dict[str, dict[str, Any]]],
+    different: dict[tuple[str, str], Any],
+    torch_raises: frozenset[str] = frozenset(),
+) -> None:
+    """Scenario results (group -> case -> key -> value) of hp-dtensor equal torch's, key by key.
+
+    A case's ``value`` must be close to its ``want`` (the one-process oracle) on both
+    sides; every other key equals torch's (tensors: close), except the ``(case, key)``
+    pairs of ``different`` (the README's deliberate differences), where hp gives the
+    listed value and torch another. Cases in ``torch_raises`` are ones torch raises for:
+    only hp's value is checked, with no forward collective.
+    """
+    for group, cases in ours.items():
+        for case, mine in cases.items():
+            torch_case = theirs[group][case]
+            if case in torch_raises:
+                assert "raised" in torch_case, (group, case, torch_case)
+                assert close(mine["value"], mine["want"]), (group, case, mine)
+                assert mine["forward"] == {}, (group, case, mine)
+                continue
+            if "want" in mine:
+                assert close(mine["value"], mine["want"]), (group, case, mine)
+                assert close(torch_case["value"], mine["want"]), (group, case, torch_case)
+            for key, value in mine.items():
+                if key in ("value", "want"):
+                    continue
+                if (case, key) in different:
+                    assert value == different[case, key], (group, case, key, value)
+                    assert torch_case[key] != value, (group, case, key, "not a difference")
+                    continue
+                if isinstance(value, torch.Tensor):
+                    same = isinstance(torch_case[key], torch.Tensor) and close(
+                        value, torch_case[key]
+                    )
+                else:
+                    same = bool(value == torch_case[key])
+                assert same, (group, case, key, value, torch_case[key])

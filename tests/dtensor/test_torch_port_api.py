@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from tests._harness import run_on_ranks
-from tests.dtensor._torch_twin import Side, close, full, layout, sides
+from tests.dtensor._torch_twin import Side, assert_scenarios_like_torch, full, layout, sides
 
 _G = torch.Generator().manual_seed(53)
 _X = torch.randn(8, 6, generator=_G)
@@ -248,37 +248,6 @@ def _both() -> dict[str, Any]:
     return out
 
 
-def _same(key: str, mine: Any, theirs: Any) -> bool:
-    if isinstance(mine, torch.Tensor):
-        return isinstance(theirs, torch.Tensor) and close(mine, theirs)
-    return bool(mine == theirs)
-
-
 def test_torch_api_cases_like_torch() -> None:
     for got in run_on_ranks(_both, 4, timeout_s=300.0):
-        ours, theirs = got["hp"], got["torch"]
-        for group, cases in ours.items():
-            for case, mine in cases.items():
-                torch_case = theirs[group][case]
-                if case in TORCH_RAISES:
-                    assert "raised" in torch_case, (group, case, torch_case)
-                    assert close(mine["value"], mine["want"]), (group, case, mine)
-                    assert mine["forward"] == {}, (group, case, mine)
-                    continue
-                if "want" in mine:
-                    assert close(mine["value"], mine["want"]), (group, case, mine)
-                    assert close(torch_case["value"], mine["want"]), (group, case, torch_case)
-                for key, value in mine.items():
-                    if key in ("value", "want"):
-                        continue
-                    if (case, key) in DIFFERENT:
-                        assert value == DIFFERENT[case, key], (group, case, key, value)
-                        assert torch_case[key] != value, (group, case, key, "not a difference")
-                        continue
-                    assert _same(key, value, torch_case[key]), (
-                        group,
-                        case,
-                        key,
-                        value,
-                        torch_case[key],
-                    )
+        assert_scenarios_like_torch(got["hp"], got["torch"], DIFFERENT, TORCH_RAISES)

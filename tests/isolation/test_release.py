@@ -19,6 +19,7 @@ from hp_workspace import (
     python_version,
     read_pyproject,
     read_version,
+    with_torch,
     workspace_closure,
     write_version,
 )
@@ -111,6 +112,42 @@ def test_ci_tests_on_the_lowest_python_the_packages_declare() -> None:
     assert set(floors.values()) == {">=3.10"}, floors
     assert "scripts/check_install.py hp-config --python 3.10 --python 3.13" in ci
     assert "scripts/check_install.py hp-dmodule --python 3.10 --demo-steps 3" in ci
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split("."))
+
+
+def test_ci_tests_both_ends_of_the_torch_range_the_packages_declare() -> None:
+    """The declared floor is the lock's torch (every stage runs it); CI adds a newer release."""
+    platform = read_pyproject(PACKAGES["hp-platform-torch"].pyproject)["project"]
+    dmodule = read_pyproject(PACKAGES["hp-dmodule"].pyproject)["project"]
+    declared = {
+        req
+        for req in [*platform["dependencies"], *dmodule["optional-dependencies"]["torch"]]
+        if req.startswith("torch")
+    }
+    assert len(declared) == 1, declared
+    floor = declared.pop().removeprefix("torch>=")
+    lock = (ROOT / "uv.lock").read_text(encoding="utf-8")
+    locked = re.search(r'name = "torch"\nversion = "([^"]+)"', lock)
+    assert locked is not None
+    assert _release(locked.group(1))[:2] == _release(floor)[:2], (floor, locked.group(1))
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    newest = re.search(r"scripts/check_install.py hp-dmodule --torch (\S+) -- ", ci)
+    assert newest is not None, "no CI stage runs the tests on another torch"
+    assert _release(newest.group(1)) > _release(locked.group(1)), newest.group(1)
+
+
+def test_with_torch_pins_that_torch_and_frees_what_follows_it(tmp_path: Path) -> None:
+    locked = tmp_path / "constraints.txt"
+    locked.write_text(
+        "numpy==2.1.0\ntorch==2.14.0\ntriton==3.8.0 ; sys_platform == 'linux'\n"
+        "nvidia-cublas==13.0.0.19 ; sys_platform == 'linux'\npytest==9.0.0\n",
+        encoding="utf-8",
+    )
+    pins = with_torch(locked, "2.15.0").read_text(encoding="utf-8").splitlines()
+    assert pins == ["numpy==2.1.0", "pytest==9.0.0", "torch==2.15.0"]
 
 
 def _demo_rows(text: str) -> tuple[list[str], list[str]]:

@@ -6,8 +6,10 @@ incoming gradients out like itself. The gradient rules are torch DTensor's:
 
 * the gradient of a redistribute input is laid out like the input, except that a
   gradient which is not Partial is not turned back into Partial (it stays Replicate);
-* the gradient of a leaf (and of ``from_local``'s input) has the leaf's placements with
-  Partial made Replicate.
+* the gradient of a leaf has the leaf's placements with Partial made Replicate, except
+  that a Partial gradient of a Partial leaf stays Partial (torch's Partial -> Partial);
+* the gradient of ``from_local``'s input is the local part of the leaf layout, Partial
+  made Replicate.
 
 Nothing here imports the DTensor class: new DTensors are built with the class of the
 tensors at hand, or the one the caller passes in, so the class imports this module.
@@ -76,17 +78,23 @@ def _leaf_grad_hook(
     It holds the leaf's spec, not the leaf: no reference cycle, and no weak
     reference (which ``torch.utils.swap_tensors``, used by ``Module.to_empty``, refuses).
     """
-    target = partial_to_replicate(spec.placements)
+    leaf = spec.placements
+    target = partial_to_replicate(leaf)
 
     def to_leaf_layout(grad: torch.Tensor) -> torch.Tensor | None:
         if type(grad) is tensor_type and grad._spec.placements == target:  # type: ignore[attr-defined]
             return None  # the common case, checked without a call: already the leaf's layout
         grad_dt = _as_dtensor_grad(tensor_type, grad, spec)
-        if grad_dt._spec.placements == target and grad_dt is grad:
+        want = target
+        if want != leaf:
+            # a Partial leaf keeps a gradient of its own Partial, as torch's P -> P
+            found = grad_dt._spec.placements
+            want = tuple(f if f == p else t for p, f, t in zip(leaf, found, target, strict=True))
+        if grad_dt._spec.placements == want and grad_dt is grad:
             return None  # already laid out like the leaf: nothing to do
         check_same_mesh(grad_dt._spec.mesh, spec.mesh, where="DTensor gradient hook")
-        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, target)
-        return tensor_type(local, grad_dt._spec.with_placements(target))
+        local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, want)
+        return tensor_type(local, grad_dt._spec.with_placements(want))
 
     return to_leaf_layout
 

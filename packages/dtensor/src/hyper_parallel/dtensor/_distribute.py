@@ -76,7 +76,13 @@ def distribute_tensor(
                 f"mesh axis (as in torch), but mesh axis {name!r} has {n} ranks; expected "
                 f"0 <= src_data_rank < {n}, or None to slice every rank's own copy"
             )
-    meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
+    # the global tensor's own strides, as torch's (a transposed tensor stays transposed);
+    # an expanded one's (stride 0) would make every in-place op on the result refuse to
+    # write overlapping memory, which the shards, fresh copies, do not have
+    stride = tensor.stride()
+    if any(st == 0 and size > 1 for size, st in zip(tensor.shape, stride, strict=True)):
+        stride = contiguous_strides(tensor.shape)
+    meta = TensorMeta(tensor.shape, stride, tensor.dtype)
     spec = DTensorSpec(device_mesh, placements_t, meta)
     coordinate = device_mesh.get_coordinate()
     data = tensor.detach()

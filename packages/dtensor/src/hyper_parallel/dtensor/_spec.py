@@ -20,6 +20,7 @@ __all__ = [
     "chunk_bounds",
     "chunk_range",
     "contiguous_strides",
+    "global_strides",
     "local_indices",
     "local_shape_and_offset",
     "local_shard",
@@ -381,6 +382,30 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def global_strides(
+    local_strides: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    """The global tensor's strides for even shards of a local tensor of ``local_strides`` (torch's rule).
+
+    Per mesh axis that shards dim ``d``, every stride at least dim ``d``'s grows by the
+    axis size: the strides of the local tensor's memory order, widened to the global
+    tensor's, so a transposed shard gives a transposed global tensor.
+
+    Example::
+
+        >>> global_strides((8, 1, 32), (4,), (Shard(1),))  # a permuted (4, 8, 8) shard
+        (32, 1, 128)
+    """
+    strides = list(local_strides)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            sharded = strides[p.dim]
+            for i, stride in enumerate(strides):
+                if i != p.dim and stride >= sharded:
+                    strides[i] = stride * mesh_shape[axis]
+    return tuple(strides)
 
 
 def check_same_mesh(found: DeviceMesh, expected: DeviceMesh, *, where: str) -> None:

@@ -23,7 +23,7 @@ from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
     check_same_mesh,
-    contiguous_strides,
+    global_strides,
     local_shape_and_offset,
     normalize_placements,
     replicate_all,
@@ -199,7 +199,11 @@ class DTensor(torch.Tensor):
         if shape is None and stride is None and not run_check:
             # the common call (even shards): its spec is computed once per layout
             spec = _even_spec(
-                device_mesh, placements_t, tuple(local_tensor.shape), local_tensor.dtype
+                device_mesh,
+                placements_t,
+                tuple(local_tensor.shape),
+                local_tensor.stride(),
+                local_tensor.dtype,
             )
             local_tensor = _off_mesh_empty(local_tensor, device_mesh)
             return FromLocal.apply(local_tensor, spec, False, DTensor)  # type: ignore[no-any-return]
@@ -239,7 +243,9 @@ class DTensor(torch.Tensor):
                 raise PlacementError(problem)
         meta = TensorMeta(
             global_shape,
-            tuple(stride) if stride is not None else contiguous_strides(global_shape),
+            tuple(stride)
+            if stride is not None
+            else global_strides(local_tensor.stride(), device_mesh.shape, placements_t),
             local_tensor.dtype,
         )
         spec = DTensorSpec(device_mesh, placements_t, meta)
@@ -420,12 +426,16 @@ def _even_spec(
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
     local_shape: tuple[int, ...],
+    local_strides: tuple[int, ...],
     dtype: torch.dtype,
 ) -> DTensorSpec:
-    """The spec ``from_local`` gives even shards of ``local_shape`` (raises when they cannot be)."""
+    """The spec ``from_local`` gives even shards of ``local_shape`` (raises when they cannot be).
+
+    The global strides follow the local tensor's memory order, as torch's.
+    """
     global_shape = _even_global_shape(local_shape, mesh, placements)
     problem = _shard_shape_problem(local_shape, global_shape, mesh, placements)
     if problem is not None:
         raise PlacementError(problem)
-    meta = TensorMeta(global_shape, contiguous_strides(global_shape), dtype)
+    meta = TensorMeta(global_shape, global_strides(local_strides, mesh.shape, placements), dtype)
     return DTensorSpec(mesh, placements, meta)

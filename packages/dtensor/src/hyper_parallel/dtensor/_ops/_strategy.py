@@ -25,6 +25,7 @@ __all__ = [
     "decision_cost",
     "local_bytes",
     "redistribute_cost",
+    "skipped_addends",
     "written_outputs",
 ]
 
@@ -189,21 +190,7 @@ def add_once_into_partial(
     axis's first rank adds it (torch divides it by the axis size instead). Returns
     ``None`` where this rank adds every addend (the op itself then runs).
     """
-    coordinate = call.mesh.get_coordinate()
-    if coordinate is None:
-        return None
-    out = decision.outputs[0]
-    zeroed = [
-        position
-        for i, position in addends
-        if out is not None
-        and any(
-            out[axis] == Partial("sum")
-            and isinstance(decision.inputs[i][axis], Replicate)
-            and coordinate[axis] != 0
-            for axis in range(call.mesh.ndim)
-        )
-    ]
+    zeroed = [position for i, position in addends if i in skipped_addends(call, decision)]
     if not zeroed:
         return None
     func = call.func
@@ -213,3 +200,30 @@ def add_once_into_partial(
         return func(*swapped, **kwargs)
 
     return local
+
+
+def skipped_addends(call: OpCall, decision: Decision) -> frozenset[int]:
+    """The spec indices of Replicate inputs this rank leaves out of a Partial("sum") result.
+
+    A Replicate input summed over a Partial("sum") axis would count once per rank, so
+    only the axis's first rank takes it; the others take zeros (see
+    :func:`add_once_into_partial`).
+
+    Example::
+
+        skipped_addends(call, decision)   # frozenset({1}) off the first rank of a P + R
+    """
+    coordinate = call.mesh.get_coordinate()
+    out = decision.outputs[0]
+    if coordinate is None or out is None:
+        return frozenset()
+    return frozenset(
+        i
+        for i, placements in enumerate(decision.inputs)
+        if any(
+            out[axis] == Partial("sum")
+            and isinstance(placements[axis], Replicate)
+            and coordinate[axis] != 0
+            for axis in range(call.mesh.ndim)
+        )
+    )

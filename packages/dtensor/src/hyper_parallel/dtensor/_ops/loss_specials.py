@@ -84,9 +84,37 @@ def _log_softmax_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     return dispatch_by_rules(func, args, kwargs)
 
 
-def _class_last_rows(x: DTensor) -> DTensor:
-    """``(N, C, d...)`` logits as ``(N * prod(d), C)`` rows: the class dim (sharded) last."""
-    rows: DTensor = x.movedim(1, -1).reshape(-1, x.shape[1])  # type: ignore[assignment]
+def _rows_order(x: DTensor) -> tuple[int, ...]:
+    """The order of ``(N, C, d...)``'s dims that flattens them to rows with no collective.
+
+    The dims a mesh axis shards come first (in mesh-axis order), the other non-class
+    dims next, the class dim (1) last: merging dims whose first one is the sharded one
+    keeps the shard, where merging ``(N, d)`` with ``d`` sharded would gather.
+    """
+    first: list[int] = []
+    for p in x._spec.placements:
+        if isinstance(p, Shard) and p.dim != 1 and p.dim not in first:
+            first.append(p.dim)
+    rest = [d for d in range(x.ndim) if d != 1 and d not in first]
+    return (*first, *rest, 1)
+
+
+def _target_order(order: tuple[int, ...]) -> tuple[int, ...]:
+    """``order`` of the logits' dims as an order of the target's (the class dim dropped)."""
+    return tuple(d if d == 0 else d - 1 for d in order[:-1])
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
+def _class_last_rows(x: DTensor, order: tuple[int, ...]) -> DTensor:
+    """``(N, C, d...)`` logits as ``(N * prod(d), C)`` rows in ``order``: the class dim last.
+
+    Row order does not change a summed loss; a per-element loss is put back with
+    the inverse order.
+    """
+    rows: DTensor = x.permute(order).reshape(-1, x.shape[1])  # type: ignore[assignment]
     return rows
 
 
@@ -100,11 +128,14 @@ def _nll2d_forward_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     weight = _as_replicated(args[2], x) if len(args) > 2 else kwargs.get("weight")
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction", _MEAN)
     ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    order = _rows_order(x)
+    target_order = _target_order(order)
+    ordered_target = target.permute(target_order)
     loss, total = aten.nll_loss_forward.default(
-        _class_last_rows(x), target.reshape(-1), weight, reduction, ignore_index
+        _class_last_rows(x, order), ordered_target.reshape(-1), weight, reduction, ignore_index
     )
     if reduction == _NONE:
-        loss = loss.reshape(target.shape)
+        loss = loss.reshape(ordered_target.shape).permute(_inverse(target_order)).contiguous()
     return loss, total
 
 
@@ -119,13 +150,21 @@ def _nll2d_backward_special(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
         _as_replicated(args[3], x),
         *args[4:7],
     )
+    order = _rows_order(x)
+    target_order = _target_order(order)
     if reduction == _NONE:
-        grad = grad.reshape(-1)
+        grad = grad.permute(target_order).reshape(-1)
     rows = aten.nll_loss_backward.default(
-        grad, _class_last_rows(x), target.reshape(-1), weight, reduction, ignore_index, total
+        grad,
+        _class_last_rows(x, order),
+        target.permute(target_order).reshape(-1),
+        weight,
+        reduction,
+        ignore_index,
+        total,
     )
-    channels_last = (x.shape[0], *x.shape[2:], x.shape[1])
-    return rows.reshape(channels_last).movedim(-1, 1).contiguous()
+    ordered_shape = tuple(x.shape[d] for d in order)
+    return rows.reshape(ordered_shape).permute(_inverse(order)).contiguous()
 
 
 register_special(aten.nll_loss_forward.default)(_nll_forward_special)

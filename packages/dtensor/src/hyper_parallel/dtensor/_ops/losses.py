@@ -30,9 +30,7 @@ import torch
 from hyper_parallel.dtensor._loss_parallel import loss_parallel_active
 from hyper_parallel.dtensor._ops._strategy import Candidate, choose
 from hyper_parallel.dtensor._registry import Decision, OpCall, register_rule
-from hyper_parallel.dtensor._spec import (
-    local_shape_and_offset,
-)
+from hyper_parallel.dtensor._spec import DTensorSpec, local_shape_and_offset
 from hyper_parallel.dtensor.collectives import all_reduce_over
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -151,14 +149,22 @@ def _nll_backward_rule(call: OpCall) -> Decision | None:
     class_dim = x.ndim - 1
     batched = x.ndim == 2
     n_extra = len(call.specs) - 3  # weight and total weight, replicated
+    # only a mean reads the total weight: otherwise it stays as it is (a Partial of a
+    # batch-sharded sum is never reduced, as torch)
+    total_unread = reduction != _MEAN and isinstance(
+        _arg(call, 6, "total_weight", None), DTensorSpec
+    )
 
     def candidates(axis: int) -> list[Candidate]:
+        extra: tuple[Placement, ...] = (_R,) * n_extra
+        if total_unread:
+            extra = (*extra[:-1], call.specs[-1].placements[axis])
         cands: list[Candidate] = []
         if batched:
             grad_layout: Placement = Shard(0) if reduction == _NONE else _R
-            cands.append(((grad_layout, Shard(0), Shard(0)) + (_R,) * n_extra, (Shard(0),)))
-        cands.append(((_R, Shard(class_dim), _R) + (_R,) * n_extra, (Shard(class_dim),)))
-        cands.append(((_R,) * len(call.specs), (_R,)))
+            cands.append(((grad_layout, Shard(0), Shard(0), *extra), (Shard(0),)))
+        cands.append(((_R, Shard(class_dim), _R, *extra), (Shard(class_dim),)))
+        cands.append(((_R,) * (len(call.specs) - n_extra) + extra, (_R,)))
         return cands
 
     decision = choose(call, candidates)

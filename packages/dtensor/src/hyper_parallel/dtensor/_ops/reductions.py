@@ -369,22 +369,73 @@ register_rule(
 
 
 def _dist_rule(call: OpCall) -> Decision | None:
-    """``dist(a, b, p=1)``: a sum of ``|a - b|``, so shards of like-shaped inputs give a Partial sum.
+    """``dist(a, b, p)``, the p-norm of ``a - b``, of like-shaped inputs sharded alike.
 
-    As torch's: matching shards reduce locally and the result is ``Partial("sum")``
-    over their axes; other norms (``p != 1``) decline (the fallback).
+    As torch's: ``p=1`` (a sum of ``|a - b|``) gives a ``Partial("sum")`` and ``p=inf`` (a
+    max) a ``Partial("max")`` over the sharding axes, with no communication. Other ``p > 0``
+    come out Replicate with one all-reduce of the local ``sum |a - b|^p`` (as ``vector_norm``,
+    where torch keeps a lazy norm-Partial); ``p <= 0`` declines (the fallback).
     """
-    p = call.args[2] if len(call.args) > 2 else call.kwargs.get("p", 2)
-    if p != 1 or len(call.specs) != 2 or call.specs[0].shape != call.specs[1].shape:
+    p = float(call.args[2] if len(call.args) > 2 else call.kwargs.get("p", 2))
+    if len(call.specs) != 2 or call.specs[0].shape != call.specs[1].shape or not p > 0:
         return None
     ndim = call.specs[0].ndim
+    of_shards: Placement = Partial("sum") if p == 1 else Partial("max") if math.isinf(p) else _R
 
     def candidates(axis: int) -> list[Candidate]:
-        cands: list[Candidate] = [((Shard(d), Shard(d)), (Partial(),)) for d in range(ndim)]
-        cands.append(((Replicate(), Replicate()), (Replicate(),)))
+        cands: list[Candidate] = [((Shard(d), Shard(d)), (of_shards,)) for d in range(ndim)]
+        cands.append(((_R, _R), (_R,)))
         return cands
 
-    return choose(call, candidates)
+    decision = choose(call, candidates)
+    sharded = tuple(a for a, q in enumerate(decision.inputs[0]) if isinstance(q, Shard))
+    if sharded and math.isinf(p):
+        decision.local_fn = _local_max_distance
+    elif sharded and p != 1:
+        decision.local_fn = _sharded_distance(p, (call.mesh, sharded))
+        decision.reduces = sharded
+    return decision
+
+
+def _local_max_distance(a: torch.Tensor, b: torch.Tensor, p: Any = None) -> torch.Tensor:
+    """max ``|a - b|`` of a shard; an empty shard gives 0, which never beats a real distance."""
+    if a.numel() == 0:
+        return a.new_zeros(())
+    return (a - b).abs().amax()
+
+
+def _sharded_distance(p: float, over: Over) -> Any:
+    norm = _sharded_norm(p, over)
+
+    def distance(a: torch.Tensor, b: torch.Tensor, p: Any = None) -> torch.Tensor:
+        return norm(a - b)  # type: ignore[no-any-return]
+
+    return distance
 
 
 register_rule(aten.dist.default)(_dist_rule)
+
+
+def _histc_rule(call: OpCall) -> Decision:
+    """``histc`` with a given range (``min < max``) counts each shard locally: a Partial sum.
+
+    As torch's: without a range the data's own min and max set the bins, so the input
+    is gathered (Replicate).
+    """
+    args = call.args
+    low = args[2] if len(args) > 2 else call.kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else call.kwargs.get("max", 0)
+    ranged = low != high
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    for p in call.specs[0].placements:
+        if ranged and isinstance(p, Shard):
+            ins.append(p)
+            outs.append(Partial())
+        else:
+            ins.append(_R)
+            outs.append(_R)
+    return Decision([tuple(ins)], [tuple(outs)])
+
+
+register_rule(aten.histc.default)(_histc_rule)

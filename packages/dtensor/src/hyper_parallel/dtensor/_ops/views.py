@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.dtensor._ops._strategy import Candidate, add_once_into_partial, choose
+from hyper_parallel.dtensor._ops._strategy import (
+    Candidate,
+    add_once_into_partial,
+    choose,
+    skipped_addends,
+)
 from hyper_parallel.dtensor._ops.strided_views import strided_view_placement
 from hyper_parallel.dtensor._registry import Decision, Declined, OpCall, register_rule
 from hyper_parallel.dtensor._spec import DTensorSpec, chunk_bounds, local_shape_and_offset
@@ -321,10 +326,9 @@ def _index_dims(
     if not positions:
         return None
     for i in positions:
-        if not isinstance(indices[i], DTensorSpec) or indices[i].tensor_meta.dtype in (
-            torch.bool,
-            torch.uint8,
-        ):
+        t = indices[i]
+        dtype = t.tensor_meta.dtype if isinstance(t, DTensorSpec) else getattr(t, "dtype", None)
+        if dtype is None or dtype in (torch.bool, torch.uint8):
             return None
     n_index = out_ndim - (self_ndim - len(positions))
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
@@ -351,7 +355,7 @@ def _index_rule(call: OpCall) -> Decision | None:
     if found is None:
         return None
     dim_map, start, n_index = found
-    index_specs = [t for t in indices if t is not None]
+    index_specs = [t for t in indices if isinstance(t, DTensorSpec)]  # a plain one: replicated
     index_shape = out_meta.shape[start : start + n_index]
 
     def candidates(axis: int) -> list[Candidate]:
@@ -377,8 +381,8 @@ def _index_rule(call: OpCall) -> Decision | None:
 
 def _index_put_rule(call: OpCall) -> Decision | None:
     """``self[indices] = values`` (or ``+=``): non-indexed dims of ``self`` keep their shards
-    with ``values`` sharded alike; accumulating Partial values into a Partial ``self`` stays
-    Partial."""
+    with ``values`` sharded alike; Partial values into a Partial ``self`` of the same reduce op
+    stay Partial (the op is linear in both), as torch. A 0-dim plain index is replicated."""
     spec = call.specs[0]
     indices = call.args[1]
     has_values = isinstance(call.args[2], DTensorSpec)  # else a 0-dim plain tensor
@@ -386,12 +390,13 @@ def _index_put_rule(call: OpCall) -> Decision | None:
     accumulate = (
         bool(call.args[3]) if len(call.args) > 3 else bool(call.kwargs.get("accumulate", False))
     )
-    index_specs = [t for t in indices if t is not None]
-    if not index_specs or any(not isinstance(t, DTensorSpec) for t in index_specs):
+    given = [t for t in indices if t is not None]
+    if not given or any(not isinstance(t, (DTensorSpec, torch.Tensor)) for t in given):
         return None
+    index_specs = [t for t in given if isinstance(t, DTensorSpec)]
     # the shape self[indices] has: the index dims broadcast, placed as in _index_rule
-    index_ndim = max(t.ndim for t in index_specs)
-    result_ndim = spec.ndim - len(index_specs) + index_ndim
+    index_ndim = max(t.ndim for t in given)
+    result_ndim = spec.ndim - len(given) + index_ndim
     found = _index_dims(spec.ndim, indices, result_ndim)
     if found is None:
         return None
@@ -410,8 +415,9 @@ def _index_put_rule(call: OpCall) -> Decision | None:
                 ins += (Shard(k) if k >= 0 and values.shape[k] == spec.shape[d] else _R,)
             cands.append((ins, (Shard(d),)))
         p = spec.placements[axis]
-        if accumulate and has_values and isinstance(p, Partial) and p.reduce_op == "sum":
+        if has_values and isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
             cands.append(((p,) + (_R,) * n_idx + (p,), (p,)))
+        if accumulate and has_values and p == Partial("sum"):
             # replicated values accumulated into a Partial sum: added once, no communication
             cands.append(((p,) + (_R,) * n_idx + (_R,), (p,)))
         cands.append(((_R,) * n_in, (_R,)))
@@ -425,12 +431,19 @@ def _index_put_rule(call: OpCall) -> Decision | None:
 
 def _gather_scatter_rule(call: OpCall) -> Decision:
     """gather / scatter / scatter_add along ``dim``: every other dim may be sharded where all
-    tensors have the same size there; a Partial sum passes through (these ops are linear)."""
+    tensors have the same size there; a Partial sum passes through (these ops are linear).
+
+    ``gather`` also keeps, as torch: a shard of the index on any dim (``self`` replicated:
+    each rank gathers its rows of the output), and a shard of ``self`` along ``dim`` when the
+    index has size 1 there (each rank gathers the entries it holds, zeros elsewhere: a
+    Partial sum, torch's mask-partial path).
+    """
     spec = call.specs[0]
     dim = _norm_dim(call.args[1], spec.ndim)
     n_in = len(call.specs)
     out_meta = call.out_metas[0]
     assert out_meta is not None
+    gather = call.func.overloadpacket is aten.gather and n_in == 2
     # scatter.value writes the same number on every rank: not linear
     linear = not (call.func.overloadpacket in (aten.scatter, aten.scatter_) and n_in == 2)
 
@@ -439,6 +452,10 @@ def _gather_scatter_rule(call: OpCall) -> Decision:
         for d in range(spec.ndim):
             if d != dim and all(s.shape[d] == out_meta.shape[d] for s in call.specs):
                 cands.append(((Shard(d),) * n_in, (Shard(d),)))
+        if gather:
+            cands += [((_R, Shard(d)), (Shard(d),)) for d in range(spec.ndim)]
+            if call.specs[1].shape[dim] == 1:
+                cands.append(((Shard(dim), _R), (Partial(),)))
         p = spec.placements[axis]
         if linear and isinstance(p, Partial) and p.reduce_op == "sum":
             # the index (second DTensor) is replicated; values sum across ranks
@@ -447,7 +464,29 @@ def _gather_scatter_rule(call: OpCall) -> Decision:
         cands.append(((_R,) * n_in, (_R,)))
         return cands
 
-    return choose(call, candidates)
+    decision = choose(call, candidates)
+    if gather and Shard(dim) in decision.inputs[0]:
+        coordinate = call.mesh.get_coordinate() or [0] * call.mesh.ndim
+        shape, offset = local_shape_and_offset(
+            spec.shape, call.mesh.shape, coordinate, decision.inputs[0]
+        )
+        decision.local_fn = _masked_gather(offset[dim], shape[dim])
+    return decision
+
+
+def _masked_gather(start: int, length: int) -> Any:
+    """gather from the shard ``[start, start + length)`` of ``dim``: zeros where another rank
+    holds the entry (summed across ranks later)."""
+
+    def gather(x: torch.Tensor, dim: int, index: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        shifted = index - start
+        outside = (shifted < 0) | (shifted >= length)
+        if length == 0:  # an empty shard (uneven): it holds no entry
+            return x.new_zeros(index.shape)
+        picked = torch.gather(x, dim, shifted.masked_fill(outside, 0), **kwargs)
+        return picked.masked_fill(outside, 0)
+
+    return gather
 
 
 def _index_add_rule(call: OpCall) -> Decision:
@@ -488,17 +527,36 @@ def _cat_rule(call: OpCall) -> Decision:
                 continue
             out_d = d + 1 if stack and d >= dim else d
             cands.append(((Shard(d),) * n, (Shard(out_d),)))
-        partials = {
-            s.placements[axis] for s in call.specs if isinstance(s.placements[axis], Partial)
-        }
+        partials = {p for s in call.specs if isinstance(p := s.placements[axis], Partial)}
         for p in partials:
-            cands.append(((p,) * n, (p,)))
+            if p.reduce_op in ("sum", "avg"):
+                # a Replicate input joins a Partial sum or mean without communication, as
+                # torch: as it is for avg, from the axis's first rank only for sum
+                cands.append(
+                    (tuple(p if s.placements[axis] == p else _R for s in call.specs), (p,))
+                )
+            else:
+                cands.append(((p,) * n, (p,)))
         cands.append(((_R,) * n, (_R,)))
         return cands
 
     if any(s.ndim != ndim_in for s in call.specs):
         return None  # type: ignore[return-value]
-    return choose(call, candidates)
+    decision = choose(call, candidates)
+    skipped = skipped_addends(call, decision)
+    if skipped:
+        decision.local_fn = _cat_without(call.func, skipped)
+    return decision
+
+
+def _cat_without(func: Any, skipped: frozenset[int]) -> Any:
+    """cat / stack with the tensors at ``skipped`` replaced by zeros (Replicate into a Partial sum)."""
+
+    def local(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        parts = [torch.zeros_like(t) if i in skipped else t for i, t in enumerate(tensors)]
+        return func(parts, *args, **kwargs)
+
+    return local
 
 
 register_rule(aten.view.default, aten._unsafe_view.default)(_view_rule)
