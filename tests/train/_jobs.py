@@ -20,7 +20,22 @@ TINY_MODEL = [
 
 def write_corpus(directory: Path, documents: int = 12) -> Path:
     """``documents`` text files of varied English-like sentences (a few KB), deterministic."""
-    words = "the quick brown fox jumps over a lazy dog while seven red owls sing".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "red",
+        "owls",
+        "sing",
+    ]
     directory.mkdir(parents=True, exist_ok=True)
     for d in range(documents):
         sentence = " ".join(words[(d * 5 + i * 3) % len(words)] for i in range(60))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from hyper_parallel.train.trainer import RunSummary, train
 from tests._harness import run_on_ranks
 from tests.train._jobs import tiny_job, write_corpus
+
+from hyper_parallel.train.trainer import RunSummary, train
 
 
 def _three_runs(layout: list[str], corpus: str, root: str) -> tuple[RunSummary, ...] | None:
@@ -56,7 +56,9 @@ def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_
     assert [r["step"] for r in records if "val_loss" in r] == [5, 10]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-10", "step-5"]
     # TensorBoard's own reader sees the scalars of both runs under the documented tags
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+        EventAccumulator,
+    )
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
@@ -64,5 +66,8 @@ def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_
     by_step = {e.step: e.value for e in events.Scalars("loss/train")}
     assert sorted(by_step) == list(range(1, 11))
     torch.testing.assert_close(
-        torch.tensor([by_step[s] for s in range(1, 11)]), torch.tensor(full.losses), rtol=1e-5, atol=0
+        torch.tensor([by_step[s] for s in range(1, 11)]),
+        torch.tensor(full.losses),
+        rtol=1e-5,
+        atol=0,
     )

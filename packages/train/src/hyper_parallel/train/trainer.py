@@ -236,7 +236,9 @@ def _param_groups(model_parts: list[torch.nn.Module], weight_decay: float) -> li
     for part in model_parts:
         for module in part.modules():
             # the rule BaseModel.Config.get_nparams_and_flops counts embeddings by
-            if isinstance(module, torch.nn.Embedding) or getattr(type(module), "is_embedding", False):
+            if isinstance(module, torch.nn.Embedding) or getattr(
+                type(module), "is_embedding", False
+            ):
                 embeddings.update(id(p) for p in module.parameters())
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
