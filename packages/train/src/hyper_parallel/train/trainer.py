@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.config import ConfigError
-from hyper_parallel.dmodule import get_spec
+from hyper_parallel.dmodule import ParallelDims, get_spec
 from hyper_parallel.dmodule.checkpoint import (
     ModelState,
     PendingSave,
@@ -42,7 +42,7 @@ from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "RunSummary",
-    "build_mesh",
+    "parallel_dims",
     "build_model_config",
     "check_layout",
     "check_resume",
@@ -50,9 +50,6 @@ __all__ = [
     "train",
     "validate",
 ]
-
-#: The order of the world mesh's axes (row-major, tp fastest), as ParallelDims builds it.
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -148,6 +145,7 @@ def check_layout(job: JobConfig, world_size: int) -> None:
             f"{par.world_size}",
             path="parallelism",
         )
+    parallel_dims(job, world_size)
     for key, degree in (("cp", par.cp), ("ep", par.ep), ("etp", par.etp)):
         if degree != 1:
             raise ConfigError(
@@ -188,27 +186,22 @@ def check_resume(job: JobConfig) -> int:
     return found
 
 
-def build_mesh(job: JobConfig, device_type: str) -> DeviceMesh:
-    """The world mesh: the axes of degree > 1 among pp, dp_replicate, dp_shard, cp, tp (tp fastest)."""
+def parallel_dims(job: JobConfig, world_size: int) -> ParallelDims:
+    """The job's degrees as a validated :class:`ParallelDims` (ConfigError naming the section)."""
     par = job.parallelism
-    degrees = {
-        "pp": par.pp,
-        "dp_replicate": par.dp_replicate,
-        "dp_shard": par.dp_shard,
-        "cp": par.cp,
-        "tp": par.tp,
-    }
-    axes = tuple(a for a in MESH_AXES if degrees[a] > 1) or ("dp_replicate",)
-    return init_device_mesh(device_type, tuple(degrees[a] for a in axes), mesh_dim_names=axes)
-
-
-def _batch_rank(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's index among the ranks reading different data, and their number."""
-    rank, size = 0, 1
-    for axis in ("dp_replicate", "dp_shard"):
-        if axis in (mesh.mesh_dim_names or ()):
-            rank, size = rank * mesh.size(axis) + mesh.get_local_rank(axis), size * mesh.size(axis)
-    return rank, size
+    try:
+        return ParallelDims(
+            dp_replicate=par.dp_replicate,
+            dp_shard=par.dp_shard,
+            cp=par.cp,
+            tp=par.tp,
+            pp=par.pp,
+            ep=par.ep,
+            etp=par.etp,
+            world_size=world_size,
+        )
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error), path="parallelism") from error
 
 
 class _Stop:
@@ -294,12 +287,12 @@ def train(
     tokenizer = build_tokenizer(job.tokenizer.path)
     model_config = build_model_config(job, tokenizer.vocab_size, allow_imports)
     local_batch, accumulation = batch_layout(job)
-    mesh = build_mesh(job, device_type)
+    dims = parallel_dims(job, world)
+    dims.build_mesh(device_type)
     spec = get_spec(job.model.name)
     with torch.device("meta"):
         model = model_config.build()
     nparams, flops_per_token = model_config.get_nparams_and_flops(model, job.training.seq_len)
-    fsdp = "dp_shard" in (mesh.mesh_dim_names or ())
     pipe: Pipeline | None = None
     if job.parallelism.pp > 1:
         if spec.pipelining_fn is None:
@@ -310,7 +303,7 @@ def train(
             "schedule": job.parallelism.pipeline_schedule,
             "n_microbatches": job.parallelism.pipeline_microbatches or job.parallelism.pp,
         }
-        pipe = spec.pipelining_fn(model, mesh, {"pipeline": pipeline_options})
+        pipe = spec.pipelining_fn(model, dims, {"pipeline": pipeline_options})
         assert pipe is not None
         torch.manual_seed(job.training.seed)
         with warnings.catch_warnings():
@@ -319,10 +312,9 @@ def train(
         parts = list(pipe.model_parts)
     else:
         ac = {"activation_checkpoint": job.parallelism.activation_checkpoint}
-        names = mesh.mesh_dim_names or ()
-        # with neither tp nor dp_shard the model stays a plain module (replicas average below)
-        if spec.parallelize_fn is not None and ("tp" in names or "dp_shard" in names):
-            model = spec.parallelize_fn(model, mesh, ac)
+        # with neither tp nor fsdp the model stays a plain module (replicas average below)
+        if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
+            model = spec.parallelize_fn(model, dims, ac)
         model.to_empty(device=device)
         torch.manual_seed(job.training.seed)
         with warnings.catch_warnings():
@@ -340,7 +332,7 @@ def train(
         foreach=False,
     )
     train_samples, val_samples = load_samples(job, tokenizer)
-    dp_rank, dp = _batch_rank(mesh)
+    dp_rank, dp = dims.batch_mesh.get_local_rank(0), dims.dp
     sampler = BatchSampler(
         train_samples,
         seed=job.training.seed,
@@ -366,8 +358,10 @@ def train(
     metrics = MetricsLogger(job, rank=rank, resumed=resume) if log else None
     tokens_per_step = job.training.global_batch_size * job.training.seq_len
     summary = RunSummary(first_step=state.step + 1)
-    dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if a in (mesh.mesh_dim_names or ()))
-    average_over = None if fsdp or "dp_replicate" not in dp_axes else (mesh, "dp_replicate")
+    # the loss is averaged where the batch is split; replicas that FSDP does not cover average here
+    loss_mesh, loss_axes = dims.loss_mesh, ("loss",) if dims.loss_mesh.size() > 1 else ()
+    average_over = None if dims.fsdp_enabled or dims.dp == 1 else (dims.batch_mesh, "batch")
+    pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
     if metrics is not None:
         metrics.start(nparams=nparams, world=world, first_step=state.step + 1)
     stop = _Stop()
@@ -386,8 +380,9 @@ def train(
                 pipe if pipe is not None else model,
                 [(b.tokens, b.targets, b.document_ids) for b in batches],
                 optimizer,
-                loss_mesh=mesh,
-                loss_axes=dp_axes,
+                loss_mesh=loss_mesh,
+                loss_axes=loss_axes,
+                pp_mesh=pp_mesh,
                 average_over=average_over,
                 max_norm=job.training.max_norm,
                 skip_nonfinite=job.training.skip_nonfinite,
@@ -423,7 +418,7 @@ def train(
                 )
             if job.validation.interval and step % job.validation.interval == 0:
                 val = validate(
-                    model, val_samples, job, mesh, dp_axes, dp_rank, dp, local_batch, device
+                    model, val_samples, job, loss_mesh, loss_axes, dp_rank, dp, local_batch, device
                 )
                 summary.val_losses[step] = val
                 if metrics is not None:

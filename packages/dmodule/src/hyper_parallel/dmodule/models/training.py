@@ -96,6 +96,7 @@ def train_step(
     *,
     loss_mesh: DeviceMesh | None = None,
     loss_axes: tuple[str, ...] = (),
+    pp_mesh: DeviceMesh | None = None,
     average_over: tuple[DeviceMesh, str] | None = None,
     max_norm: float | None = None,
     skip_nonfinite: bool = False,
@@ -108,7 +109,7 @@ def train_step(
     ``1 / len(microbatches)``), or a :class:`~hyper_parallel.dmodule.pipeline.Pipeline`
     that runs the microbatches as one schedule step (torch's schedule averages them). The
     loss reported is averaged over ``loss_axes`` of ``loss_mesh`` (the data-parallel ranks;
-    with a pipeline the last stage's loss is broadcast over ``pp`` first).
+    with a pipeline the last stage's loss is first broadcast over ``pp_mesh``, axis ``pp``).
     ``average_over=(mesh, axis)`` averages gradients over that data-parallel axis (plain
     replicas; fully sharded modules average their own). ``max_norm`` clips the total norm
     across every mesh (:func:`~hyper_parallel.dtensor.clip_grad_norm_`). A loss that is not
@@ -121,7 +122,7 @@ def train_step(
     """
     if isinstance(model, Pipeline):
         parameters = [p for part in model.model_parts for p in part.parameters()]
-        local = _pipeline_forward_backward(model, microbatches, loss_mesh)
+        local = _pipeline_forward_backward(model, microbatches, pp_mesh)
     else:
         parameters = list(model.parameters())
         local = _forward_backward(model, microbatches)
@@ -165,13 +166,13 @@ def _forward_backward(
 def _pipeline_forward_backward(
     pipe: Pipeline,
     microbatches: Sequence[tuple[torch.Tensor, ...]],
-    loss_mesh: DeviceMesh | None,
+    pp_mesh: DeviceMesh | None,
 ) -> torch.Tensor:
     tokens = torch.cat([batch[0] for batch in microbatches])
     targets = torch.cat([batch[1] for batch in microbatches])
     loss = pipe.step(tokens, target=targets)
-    if loss_mesh is None:
-        raise ValueError("train_step: a pipeline needs loss_mesh with a 'pp' axis (found None)")
+    if pp_mesh is None:
+        raise ValueError("train_step: a pipeline needs pp_mesh (its 'pp' axis); found None")
     mine = loss if loss is not None else torch.zeros((), device=tokens.device)
-    last = stage_owner(pipe.num_stages - 1, loss_mesh.size("pp"), pipe.schedule_name)
-    return collectives.broadcast(mine.detach().reshape(1), loss_mesh, "pp", last)
+    last = stage_owner(pipe.num_stages - 1, pp_mesh.size("pp"), pipe.schedule_name)
+    return collectives.broadcast(mine.detach().reshape(1), pp_mesh, "pp", last)
