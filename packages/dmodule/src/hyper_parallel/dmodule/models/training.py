@@ -109,7 +109,8 @@ def train_step(
     ``1 / len(microbatches)``), or a :class:`~hyper_parallel.dmodule.pipeline.Pipeline`
     that runs the microbatches as one schedule step (torch's schedule averages them). The
     loss reported is averaged over ``loss_axes`` of ``loss_mesh`` (the data-parallel ranks;
-    with a pipeline the last stage's loss is first broadcast over ``pp_mesh``, axis ``pp``).
+    with a pipeline the last stage's loss is first broadcast over ``pp_mesh``, axis ``pp``;
+    without ``pp_mesh`` a rank without the last stage reports 0).
     ``average_over=(mesh, axis)`` averages gradients over that data-parallel axis (plain
     replicas; fully sharded modules average their own). ``max_norm`` clips the total norm
     across every mesh (:func:`~hyper_parallel.dtensor.clip_grad_norm_`). A loss that is not
@@ -121,13 +122,15 @@ def train_step(
         result = train_step(model, [(tokens, targets)], optimizer, max_norm=1.0, step=1)
     """
     if isinstance(model, Pipeline):
-        parameters = [p for part in model.model_parts for p in part.parameters()]
+        parts = list(model.model_parts)
         local = _pipeline_forward_backward(model, microbatches, pp_mesh)
     else:
-        parameters = list(model.parameters())
+        parts = [model]
         local = _forward_backward(model, microbatches)
-        if average_over is not None:
-            average_gradients(model, *average_over)
+    if average_over is not None:
+        for part in parts:
+            average_gradients(part, *average_over)
+    parameters = [p for part in parts for p in part.parameters()]
     loss = local.detach().reshape(1)
     if loss_mesh is not None and loss_axes:
         loss = collectives.all_reduce_over(loss, loss_mesh, loss_axes, "avg")
@@ -171,8 +174,8 @@ def _pipeline_forward_backward(
     tokens = torch.cat([batch[0] for batch in microbatches])
     targets = torch.cat([batch[1] for batch in microbatches])
     loss = pipe.step(tokens, target=targets)
-    if pp_mesh is None:
-        raise ValueError("train_step: a pipeline needs pp_mesh (its 'pp' axis); found None")
     mine = loss if loss is not None else torch.zeros((), device=tokens.device)
+    if pp_mesh is None:
+        return mine.detach()
     last = stage_owner(pipe.num_stages - 1, pp_mesh.size("pp"), pipe.schedule_name)
     return collectives.broadcast(mine.detach().reshape(1), pp_mesh, "pp", last)
