@@ -60,6 +60,8 @@ class RunSummary:
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     grad_norms: list[float | None] = field(default_factory=list)
+    #: wall seconds of each step (data, forward, backward, update, loss reduction)
+    seconds: list[float] = field(default_factory=list)
     val_losses: dict[int, float] = field(default_factory=dict)
     stopped_by_signal: bool = False
     last_checkpoint: str = ""
@@ -395,6 +397,7 @@ def train(
             summary.losses.append(result.loss)
             summary.lrs.append(lr)
             summary.grad_norms.append(result.grad_norm)
+            summary.seconds.append(seconds)
             if metrics is not None and (
                 step % job.metrics.log_interval == 0 or step == job.training.steps
             ):
