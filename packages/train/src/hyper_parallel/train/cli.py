@@ -33,6 +33,19 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the newest checkpoint in checkpoint.dir",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start no process: plan every rank on a fake process group and print per-rank "
+        "memory and the collectives per step",
+    )
+    parser.add_argument(
+        "--dry-run-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --dry-run: refuse a layout needing more than GIB per rank",
+    )
+    parser.add_argument(
         "--allow-import",
         action="append",
         default=[],
@@ -103,6 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         world = preflight(job, resume=args.resume, allow_imports=args.allow_import)
+        if args.dry_run:
+            from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
+
+            ranks, counts = dry_run(job, allow_imports=tuple(args.allow_import))
+            print(format_report(job, ranks, counts))
+            if args.dry_run_memory is not None:
+                check_memory(ranks, args.dry_run_memory)
+            return 0
     except (ConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as error:
         print(f"hp-train: error: {error}", file=sys.stderr)
         return 2

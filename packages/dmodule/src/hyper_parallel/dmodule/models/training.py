@@ -157,12 +157,19 @@ def _forward_backward(
 ) -> torch.Tensor:
     loss_fn: Callable[..., torch.Tensor] = model.loss  # type: ignore[assignment]
     takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
-    total = torch.zeros(())
+    total: torch.Tensor | None = None
     for tokens, targets, *rest in microbatches:
         kwargs = {"document_ids": rest[0]} if rest and takes_documents else {}
-        loss = loss_fn(tokens, targets, **kwargs) / len(microbatches)
+        loss = loss_fn(tokens, targets, **kwargs)
+        if len(microbatches) > 1:
+            loss = loss / len(microbatches)
         loss.backward()  # type: ignore[no-untyped-call]
-        total = total.to(loss.device) + loss.detach()
+        value = loss.detach()
+        # a replicated DTensor loss holds the whole value: read it as a plain tensor
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        total = value if total is None else total + value
+    if total is None:
+        raise ValueError("train_step: expected at least one microbatch, found none")
     return total
 
 
