@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.train._jobs import tiny_job, write_corpus
 
 from hyper_parallel.train.cli import main
 from hyper_parallel.train.trainer import build_model_config
-from tests.train._jobs import tiny_job, write_corpus
 
 
 def test_dry_run_gives_each_ranks_fully_sharded_bytes_and_refuses_over_the_limit(
