@@ -95,3 +95,19 @@ def test_a_path_that_matches_no_file_is_refused(tmp_path: Path) -> None:
 def test_the_builtin_corpus_needs_no_download() -> None:
     samples = pack(read_documents(""), ByteTokenizer(), seq_len=64)
     assert len(samples) > 10_000  # ~2 MB of the standard library's sources
+
+
+def test_a_tokenizer_json_reads_through_tokenizers_with_its_eos(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hyper_parallel.train.tokenizer import build_tokenizer
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}
+    made = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    made.pre_tokenizer = pre_tokenizers.Whitespace()
+    made.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = build_tokenizer(str(tmp_path))  # the directory holding tokenizer.json
+    assert tokenizer.encode("hello world hello").tolist() == [1, 2, 1]
+    assert (tokenizer.eos_id, tokenizer.vocab_size) == (3, 4)
+    samples = pack(["hello world", "world"], tokenizer, seq_len=2)
+    assert samples.stream.tolist() == [1, 2, 3, 2, 3]

@@ -167,3 +167,14 @@ def test_flops_per_token_equal_a_hand_count_for_llama_ref() -> None:
     nparams, flops = cfg.get_nparams_and_flops(model, s)
     assert nparams == matmul_params + v * d
     assert flops == want
+
+
+def test_keep_removes_all_but_the_newest_committed_checkpoints(tmp_path: Path) -> None:
+    from hyper_parallel.train.trainer import _keep_last
+
+    for step in (5, 10, 15):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / ".metadata").write_text("")
+    (tmp_path / ".step-20.partial").mkdir()  # a save in flight is not touched
+    _keep_last(JobConfig().apply_overrides([f"checkpoint.dir={tmp_path}", "checkpoint.keep=2"]), 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-20.partial", "step-10", "step-15"]
