@@ -71,3 +71,34 @@ def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_
         rtol=1e-5,
         atol=0,
     )
+
+
+def _pipeline_and_tensor_parallel(corpus: str) -> tuple[RunSummary, RunSummary] | None:
+    """The same job on 2 ranks as a 2-stage pipeline (GPipe) and as tp=2."""
+    pipelined = train(
+        tiny_job(
+            Path(corpus),
+            "parallelism.pp=2",
+            "parallelism.pipeline_schedule=GPipe",
+            "model.config.n_layers=2",
+            "training.steps=4",
+        ),
+        log=False,
+    )
+    tensor = train(
+        tiny_job(Path(corpus), "parallelism.tp=2", "model.config.n_layers=2", "training.steps=4"),
+        log=False,
+    )
+    return None if pipelined is None or tensor is None else (pipelined, tensor)
+
+
+def test_a_pipeline_trains_as_tensor_parallel_does(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    result = run_on_ranks(_pipeline_and_tensor_parallel, 2, str(corpus), timeout_s=240)[0]
+    assert result is not None
+    pipelined, tensor = result
+    # the same steps (clipping across both stages included) on another layout: the same losses
+    torch.testing.assert_close(
+        torch.tensor(pipelined.losses), torch.tensor(tensor.losses), rtol=1e-4, atol=0
+    )
+    assert pipelined.grad_norms == pytest.approx(tensor.grad_norms, rel=1e-4)

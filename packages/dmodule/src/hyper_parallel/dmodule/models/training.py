@@ -136,7 +136,9 @@ def train_step(
         loss = collectives.all_reduce_over(loss, loss_mesh, loss_axes, "avg")
     value = float(loss.item())
     norm = None
-    if max_norm is not None:
+    if max_norm is not None and isinstance(model, Pipeline) and pp_mesh is not None:
+        norm = _clip_across_stages(parameters, max_norm, pp_mesh)
+    elif max_norm is not None:
         norm = float(clip_grad_norm_(parameters, max_norm))
     if not math.isfinite(value) or (norm is not None and not math.isfinite(norm)):
         if not skip_nonfinite:
@@ -150,6 +152,22 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad()
     return StepResult(value, norm, stepped=True)
+
+
+def _clip_across_stages(
+    parameters: Sequence[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh
+) -> float:
+    """Clip to the norm of every stage's gradients: each rank holds only its stages' ones."""
+    mine = clip_grad_norm_(parameters, math.inf)  # this rank's norm (over its meshes); no clip
+    squares = collectives.all_reduce(mine.reshape(1) ** 2, pp_mesh, "pp", "sum")
+    total = float(squares.item()) ** 0.5
+    coefficient = min(1.0, max_norm / (total + 1e-6))  # clip_grad_norm_'s rule
+    if coefficient < 1.0:
+        with torch.no_grad():
+            for param in parameters:
+                if param.grad is not None:
+                    param.grad.mul_(coefficient)
+    return total
 
 
 def _forward_backward(
