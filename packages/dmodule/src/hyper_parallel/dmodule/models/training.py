@@ -160,14 +160,14 @@ def _clip_across_stages(
     """Clip to the norm of every stage's gradients: each rank holds only its stages' ones."""
     mine = clip_grad_norm_(parameters, math.inf)  # this rank's norm (over its meshes); no clip
     squares = collectives.all_reduce(mine.reshape(1) ** 2, pp_mesh, "pp", "sum")
-    total = float(squares.item()) ** 0.5
+    total: float = float(squares.item()) ** 0.5
     coefficient = min(1.0, max_norm / (total + 1e-6))  # clip_grad_norm_'s rule
     if coefficient < 1.0:
         with torch.no_grad():
             for param in parameters:
                 if param.grad is not None:
                     param.grad.mul_(coefficient)
-    return total
+    return float(total)
 
 
 def _forward_backward(
