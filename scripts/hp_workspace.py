@@ -96,6 +96,7 @@ PACKAGES: dict[str, Package] = {
             "tests/dtensor",
         ),
         Package("hp-dmodule", "dmodule", ("hyper_parallel.dmodule",), "tests/dmodule"),
+        Package("hp-train", "train", ("hyper_parallel.train",), "tests/train"),
     )
 }
 

@@ -23,7 +23,7 @@ Then, unless ``--dry-run``: write the new version into ``packages/NAME/pyproject
 refresh uv.lock, and copy the sdist and wheel to ``dist/NAME/``. Publishing and tagging
 are left to the person releasing (the commands are printed).
 
-``--check-builds`` only checks that ``uv build --package`` works for all four packages.
+``--check-builds`` only checks that ``uv build --package`` works for all five packages.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def release(
 
 
 def check_builds() -> None:
-    """Check ``uv build --package`` builds an sdist and a wheel for each of the four packages."""
+    """Check ``uv build --package`` builds an sdist and a wheel for each of the five packages."""
     with tempfile.TemporaryDirectory(prefix="hp-build-check-") as tmp:
         for package in PACKAGES.values():
             built = build(package, Path(tmp) / package.name)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VERSION",
         help="CPython to rehearse on, e.g. 3.10 (default: the one running this script)",
     )
-    parser.add_argument("--check-builds", action="store_true", help="only build all four packages")
+    parser.add_argument("--check-builds", action="store_true", help="only build all five packages")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:

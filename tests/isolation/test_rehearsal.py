@@ -28,6 +28,8 @@ REHEARSAL_TESTS: dict[str, list[str]] = {
     "hp-dtensor": ["tests/dtensor", "-k", "test_platform_discovery or cheapest_collective"],
     # Module basics, and the demo on 2 ranks writing its plot (the torch and demo extras).
     "hp-dmodule": ["tests/dmodule", "-k", "test_module_basics or test_demo_two_ranks"],
+    # The job config and the data pipeline (one process each; the tensorboard extra is read).
+    "hp-train": ["tests/train", "-k", "test_config or test_data or test_lr"],
 }
 
 

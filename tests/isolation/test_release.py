@@ -84,6 +84,11 @@ def test_write_version_changes_only_the_project_version_line(tmp_path: Path) -> 
         ("hp-dtensor", (), ["hp-dtensor", "hp-platform-torch"]),
         ("hp-dmodule", (), ["hp-dmodule", "hp-config", "hp-dtensor", "hp-platform-torch"]),
         ("hp-dmodule", ("torch",), ["hp-dmodule", "hp-config", "hp-dtensor", "hp-platform-torch"]),
+        (
+            "hp-train",
+            (),
+            ["hp-train", "hp-dmodule", "hp-config", "hp-dtensor", "hp-platform-torch"],
+        ),
     ],
 )
 def test_release_installs_exactly_the_workspace_packages_a_package_needs(

@@ -8,7 +8,7 @@ import enum
 import functools
 import importlib
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias, cast
 
 from hyper_parallel.config._annotations import (
@@ -256,12 +256,37 @@ def _type_bound(declared: object) -> type | None:
     return None
 
 
-class Decoder:
-    """Decodes JSON data by annotations; ``any_base`` bounds ``_type_`` tags under ``Any``."""
+class ImportRefused(ConfigError):
+    """A ``"module:qualname"`` outside the allowlist: raised as is, never folded into a union error."""
 
-    def __init__(self, any_base: type) -> None:
+
+def module_allowed(module: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``allowed`` or inside one of them (``a`` allows ``a.b``)."""
+    return any(module == name or module.startswith(name + ".") for name in allowed)
+
+
+class Decoder:
+    """Decodes JSON data by annotations; ``any_base`` bounds ``_type_`` tags under ``Any``.
+
+    ``allow_imports``: when given, ``"module:qualname"`` strings and ``_type_`` tags resolve
+    only from these modules and their submodules; anything else is a ConfigError naming the
+    key and the module (a config file is data, not code).
+    """
+
+    def __init__(self, any_base: type, allow_imports: Iterable[str] | None = None) -> None:
         self.any_base = any_base
+        self.allow_imports = None if allow_imports is None else tuple(allow_imports)
         self._tags: dict[tuple[type, str], type] = {}
+
+    def check_import(self, module: str, ref: str, path: str) -> None:
+        """Refuse ``ref`` (from ``module``) when an allowlist is set and does not hold ``module``."""
+        if self.allow_imports is not None and not module_allowed(module, self.allow_imports):
+            raise ImportRefused(
+                f"refusing to import {ref!r}: module {module!r} is not on the allowlist "
+                f"({', '.join(self.allow_imports) or 'empty'}); a config names callables only "
+                "from these modules (allow another with --allow-import MODULE)",
+                path=path,
+            )
 
     def decode(self, data: object, declared: object, path: str) -> Any:
         """``data`` coerced to ``declared``; ConfigError (path, expected, found) when it does not fit."""
@@ -326,6 +351,7 @@ class Decoder:
                 path=path,
             )
         module, qualname = ref.split(":")
+        self.check_import(module, ref, path)
         try:
             obj = _import_attribute(module, qualname)
         except (ImportError, AttributeError) as err:
@@ -418,6 +444,7 @@ class Decoder:
         if cached is not None:
             return cached
         module, qualname = tag.split(":")
+        self.check_import(module, tag, path)
         found = _find_subclass(declared, module, qualname)
         if found is None and "<" not in qualname:
             try:  # the module defining the subclass may not be imported yet
@@ -454,6 +481,8 @@ class Decoder:
         for member in ordered:
             try:
                 return self.decode(data, member, path)
+            except ImportRefused:
+                raise
             except ConfigError as err:
                 errors.append(err)
         raise union_error(errors, path, _mismatch(path, ann, data))

@@ -24,6 +24,7 @@ from hyper_parallel.config._codec import (
     MAPPING_ORIGINS,
     SEQUENCE_ORIGINS,
     Decoder,
+    ImportRefused,
     decode_leaf,
     item_type,
     mapping_types,
@@ -213,6 +214,8 @@ def parse_text(text: str, declared: object, path: str, decoder: Decoder) -> Any:
         for member in ordered:
             try:
                 return parse_text(text, member, path, decoder)
+            except ImportRefused:
+                raise
             except ConfigError as err:
                 errors.append(err)
         raise union_error(errors, path, _bad(path, ann, text))

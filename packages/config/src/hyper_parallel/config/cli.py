@@ -67,8 +67,17 @@ def parse_cli_overrides(
     return overrides, rest
 
 
-def load_config(path: str | Path, config_cls: type[_C], overrides: Iterable[str] = ()) -> _C:
+def load_config(
+    path: str | Path,
+    config_cls: type[_C],
+    overrides: Iterable[str] = (),
+    *,
+    allow_imports: Iterable[str] | None = None,
+) -> _C:
     """Load a ``.json`` or ``.toml`` file as ``config_cls`` (then apply ``overrides``).
+
+    ``allow_imports``: when given, callables and ``_type_`` tags in the file and the
+    overrides resolve only from these modules (see ``Config.from_dict``).
 
     Example::
 
@@ -96,8 +105,9 @@ def load_config(path: str | Path, config_cls: type[_C], overrides: Iterable[str]
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top, found {type(data).__name__}")
     try:
-        config = config_cls.from_dict(data)
-        return config.apply_overrides(overrides) if overrides else config
+        allowed = None if allow_imports is None else tuple(allow_imports)
+        config = config_cls.from_dict(data, allow_imports=allowed)
+        return config.apply_overrides(overrides, allow_imports=allowed) if overrides else config
     except ConfigError as err:
         located = ConfigError(f"{file}: {err}")
         located.path = err.path  # keep the tree path for callers; the file leads the message

@@ -207,26 +207,36 @@ class Configurable:
             return data
 
         @classmethod
-        def from_dict(cls: type[_C], data: Mapping[str, object]) -> _C:
+        def from_dict(
+            cls: type[_C], data: Mapping[str, object], *, allow_imports: Iterable[str] | None = None
+        ) -> _C:
             """Rebuild a config from ``to_dict`` data, coercing values by the annotations.
+
+            ``allow_imports``: when given, callables (``"module:qualname"``) and ``_type_`` tags
+            resolve only from these modules and their submodules (a ConfigError otherwise).
 
             Example::
 
                 >>> Configurable.Config.from_dict({})
                 Configurable.Config()
             """
-            decoded: _C = Decoder(Configurable.Config).decode_dataclass(data, cls, "")
+            decoder = Decoder(Configurable.Config, allow_imports)
+            decoded: _C = decoder.decode_dataclass(data, cls, "")
             return decoded
 
-        def apply_overrides(self: _C, overrides: Iterable[str]) -> _C:
+        def apply_overrides(
+            self: _C, overrides: Iterable[str], *, allow_imports: Iterable[str] | None = None
+        ) -> _C:
             """A new config with ``"dotted.path=value"`` overrides parsed by the annotations.
+
+            ``allow_imports`` as in :meth:`from_dict`.
 
             Example::
 
                 >>> Configurable.Config().apply_overrides([])
                 Configurable.Config()
             """
-            return apply_overrides(self, overrides, Decoder(Configurable.Config))
+            return apply_overrides(self, overrides, Decoder(Configurable.Config, allow_imports))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -34,7 +34,7 @@ from hyper_parallel.dmodule.checkpoint import (
     step_path,
 )
 from hyper_parallel.dmodule.models.llama import Llama, apply_fsdp
-from hyper_parallel.dmodule.models.training import average_gradients, synthetic_batch
+from hyper_parallel.dmodule.models.training import synthetic_batch, train_step
 from hyper_parallel.dtensor import (
     DeviceMesh,
     DTensor,
@@ -361,14 +361,12 @@ def train_pipelined(options: Options) -> RankReport | None:
         tokens, targets = _rank_batch(options, step, dp_rank, local_batch, device)
         step_counts: Counter[str] = Counter()
         with count_collectives(step_counts, nbytes if step == 1 else Counter()):
-            loss = pipe.step(tokens, target=targets)
-            if not fsdp:
-                for part in pipe.model_parts:
-                    average_gradients(part, mesh, "dp")
-        optimizer.step()
-        optimizer.zero_grad()
-        mine = loss if loss is not None else torch.zeros((), device=device)
-        mine = collectives.all_reduce(mine.detach().reshape(1), mesh, data_axis, "avg")
+            # the shared step: the schedule, then (plain --dp) the gradient average, the update
+            result = train_step(
+                pipe, [(tokens, targets)], optimizer, average_over=None if fsdp else (mesh, "dp")
+            )
+        mine = torch.tensor([result.loss], device=device)  # the last stage's; 0 on the others
+        mine = collectives.all_reduce(mine, mesh, data_axis, "avg")
         reported = collectives.broadcast(mine, mesh, "pp", last_owner)
         seconds.append(time.perf_counter() - start)
         losses.append(float(reported.item()))
@@ -442,15 +440,14 @@ def train_rank(options: Options) -> RankReport | None:
         tokens, targets = _rank_batch(options, step, dp_rank, local_batch, device)
         step_counts: Counter[str] = Counter()
         with count_collectives(step_counts, nbytes if step == first_step else Counter()):
-            loss = model.loss(tokens, targets)
-            loss.backward()  # type: ignore[no-untyped-call]
-            if not fsdp:
-                average_gradients(model, mesh, "dp")
-        optimizer.step()
+            # the shared step (hp-train's too): forward, backward, gradient average, update
+            result = train_step(
+                model, [(tokens, targets)], optimizer, average_over=None if fsdp else (mesh, "dp")
+            )
         if step == first_step:
             state_bytes = _state_bytes(model, optimizer)
-        optimizer.zero_grad()
-        reported = collectives.all_reduce_over(loss.detach(), mesh, dp_axes, "avg")
+        loss = torch.tensor(result.loss, device=device)  # this rank's; averaged over dp here
+        reported = collectives.all_reduce_over(loss, mesh, dp_axes, "avg")
         seconds.append(time.perf_counter() - start)
         losses.append(float(reported.item()))
         if step == first_step:
@@ -539,8 +536,8 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
 
     mine, full = 0, 0
     for p in model.parameters():
-        mine += local(p) + (local(p.grad) if p.grad is not None else 0)
-        full += 2 * p.numel() * p.element_size()  # the parameter and its gradient
+        mine += 2 * local(p)  # the parameter and its gradient, which has the parameter's layout
+        full += 2 * p.numel() * p.element_size()
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.ndim > 0:
@@ -591,11 +588,8 @@ def train_reference(options: Options) -> list[float]:
             vocab_size=options.model.vocab_size,
             seed=options.seed,
         )
-        loss = model.loss(tokens.to(device or "cpu"), targets.to(device or "cpu"))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.item()))
+        batch = (tokens.to(device or "cpu"), targets.to(device or "cpu"))
+        losses.append(train_step(model, [batch], optimizer).loss)
     return losses
 
 

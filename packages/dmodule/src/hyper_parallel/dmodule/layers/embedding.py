@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ class Embedding(Module):
         >>> emb(torch.tensor([[1, 2, 3]])).shape
         torch.Size([1, 3, 4])
     """
+
+    #: A lookup table: no FLOPs in ``BaseModel.Config.get_nparams_and_flops`` (as ``nn.Embedding``).
+    is_embedding: ClassVar[bool] = True
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):

@@ -1,13 +1,19 @@
-"""Training helpers shared by the demo, the tests and the bench: synthetic data, dp gradient averaging."""
+"""The training step every loop here uses (the demo, hp-train, the bench), synthetic data, dp averaging."""
 
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 
-from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
+from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
+from hyper_parallel.dtensor import DeviceMesh, DTensor, clip_grad_norm_, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule
 
-__all__ = ["average_gradients", "synthetic_batch"]
+__all__ = ["StepResult", "average_gradients", "synthetic_batch", "train_step"]
 
 
 def synthetic_batch(
@@ -70,3 +76,131 @@ def average_gradients(model: torch.nn.Module, mesh: DeviceMesh, axis: str = "dp"
             )
         else:
             param.grad = collectives.all_reduce(grad, mesh, axis, "avg")
+
+
+@dataclass
+class StepResult:
+    """What :func:`train_step` measured: the loss (averaged over microbatches and the loss
+    axes; the same on every rank), the gradients' total norm before clipping (None without
+    clipping), and whether the optimizer stepped (False: a non-finite loss was skipped)."""
+
+    loss: float
+    grad_norm: float | None
+    stepped: bool
+
+
+def train_step(
+    model: torch.nn.Module | Pipeline,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_mesh: DeviceMesh | None = None,
+    loss_axes: tuple[str, ...] = (),
+    pp_mesh: DeviceMesh | None = None,
+    average_over: tuple[DeviceMesh, str] | None = None,
+    max_norm: float | None = None,
+    skip_nonfinite: bool = False,
+    step: int = 0,
+) -> StepResult:
+    """One optimizer step of any layout: forward and backward, gradient sync, clipping, update.
+
+    ``model`` is a module with ``loss(tokens, targets[, document_ids])`` whose microbatch
+    losses are averaged (gradient accumulation: each backward is scaled by
+    ``1 / len(microbatches)``), or a :class:`~hyper_parallel.dmodule.pipeline.Pipeline`
+    that runs the microbatches as one schedule step (torch's schedule averages them). The
+    loss reported is averaged over ``loss_axes`` of ``loss_mesh`` (the data-parallel ranks;
+    with a pipeline the last stage's loss is first broadcast over ``pp_mesh``, axis ``pp``;
+    without ``pp_mesh`` a rank without the last stage reports 0).
+    ``average_over=(mesh, axis)`` averages gradients over that data-parallel axis (plain
+    replicas; fully sharded modules average their own). ``max_norm`` clips the total norm
+    across every mesh (:func:`~hyper_parallel.dtensor.clip_grad_norm_`). A loss that is not
+    finite raises ``FloatingPointError`` naming ``step``, or, with ``skip_nonfinite``, skips
+    the update. The caller steps its LR scheduler.
+
+    Example::
+
+        result = train_step(model, [(tokens, targets)], optimizer, max_norm=1.0, step=1)
+    """
+    if isinstance(model, Pipeline):
+        parts = list(model.model_parts)
+        local = _pipeline_forward_backward(model, microbatches, pp_mesh)
+    else:
+        parts = [model]
+        local = _forward_backward(model, microbatches)
+    if average_over is not None:
+        for part in parts:
+            average_gradients(part, *average_over)
+    parameters = [p for part in parts for p in part.parameters()]
+    loss = local.detach().reshape(1)
+    if loss_mesh is not None and loss_axes:
+        loss = collectives.all_reduce_over(loss, loss_mesh, loss_axes, "avg")
+    value = float(loss.item())
+    norm = None
+    if max_norm is not None and isinstance(model, Pipeline) and pp_mesh is not None:
+        norm = _clip_across_stages(parameters, max_norm, pp_mesh)
+    elif max_norm is not None:
+        norm = float(clip_grad_norm_(parameters, max_norm))
+    if not math.isfinite(value) or (norm is not None and not math.isfinite(norm)):
+        if not skip_nonfinite:
+            optimizer.zero_grad()
+            raise FloatingPointError(
+                f"step {step}: the loss is {value} (gradient norm {norm}); stopping (set "
+                "training.skip_nonfinite = true to skip such steps)"
+            )
+        optimizer.zero_grad()
+        return StepResult(value, norm, stepped=False)
+    optimizer.step()
+    optimizer.zero_grad()
+    return StepResult(value, norm, stepped=True)
+
+
+def _clip_across_stages(
+    parameters: Sequence[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh
+) -> float:
+    """Clip to the norm of every stage's gradients: each rank holds only its stages' ones."""
+    mine = clip_grad_norm_(parameters, math.inf)  # this rank's norm (over its meshes); no clip
+    squares = collectives.all_reduce(mine.reshape(1) ** 2, pp_mesh, "pp", "sum")
+    total: float = float(squares.item()) ** 0.5
+    coefficient = min(1.0, max_norm / (total + 1e-6))  # clip_grad_norm_'s rule
+    if coefficient < 1.0:
+        with torch.no_grad():
+            for param in parameters:
+                if param.grad is not None:
+                    param.grad.mul_(coefficient)
+    return float(total)
+
+
+def _forward_backward(
+    model: torch.nn.Module, microbatches: Sequence[tuple[torch.Tensor, ...]]
+) -> torch.Tensor:
+    loss_fn: Callable[..., torch.Tensor] = model.loss  # type: ignore[assignment]
+    takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
+    total: torch.Tensor | None = None
+    for tokens, targets, *rest in microbatches:
+        kwargs = {"document_ids": rest[0]} if rest and takes_documents else {}
+        loss = loss_fn(tokens, targets, **kwargs)
+        if len(microbatches) > 1:
+            loss = loss / len(microbatches)
+        loss.backward()  # type: ignore[no-untyped-call]
+        value = loss.detach()
+        # a replicated DTensor loss holds the whole value: read it as a plain tensor
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        total = value if total is None else total + value
+    if total is None:
+        raise ValueError("train_step: expected at least one microbatch, found none")
+    return total
+
+
+def _pipeline_forward_backward(
+    pipe: Pipeline,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    pp_mesh: DeviceMesh | None,
+) -> torch.Tensor:
+    tokens = torch.cat([batch[0] for batch in microbatches])
+    targets = torch.cat([batch[1] for batch in microbatches])
+    loss = pipe.step(tokens, target=targets)
+    mine = loss if loss is not None else torch.zeros((), device=tokens.device)
+    if pp_mesh is None:
+        return mine.detach()
+    last = stage_owner(pipe.num_stages - 1, pp_mesh.size("pp"), pipe.schedule_name)
+    return collectives.broadcast(mine.detach().reshape(1), pp_mesh, "pp", last)

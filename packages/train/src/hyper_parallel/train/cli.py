@@ -1,0 +1,176 @@
+"""The ``hp-train`` command: read the job, check it, start the ranks (or join torchrun's), train."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from hyper_parallel.config import ConfigError, parse_cli_overrides
+from hyper_parallel.train.config import JobConfig, load_job, to_toml
+
+__all__ = ["main", "parse_args", "preflight"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hp-train",
+        description="Train a model of the hp-dmodule registry on text, with every parallelism "
+        "of the job's [parallelism] degrees. Any key of the job: --section.key=VALUE "
+        "(e.g. --training.steps=200). With no --config: llama-ref on the built-in corpus.",
+    )
+    parser.add_argument("--config", default=None, help="the job's TOML file")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved job as TOML (reads back to the same job) and exit",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in checkpoint.dir",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start no process: plan every rank on a fake process group and print per-rank "
+        "memory and the collectives per step",
+    )
+    parser.add_argument(
+        "--dry-run-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --dry-run: refuse a layout needing more than GIB per rank",
+    )
+    parser.add_argument(
+        "--allow-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also resolve 'module:function' callables of the job from MODULE (repeatable)",
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, JobConfig]:
+    """The options and the checked job of a command line (usage errors exit with status 2).
+
+    Example::
+
+        >>> parse_args(["--training.steps=3"])[1].training.steps
+        3
+    """
+    parser = _parser()
+    try:
+        overrides, rest = parse_cli_overrides(list(argv), JobConfig)
+    except ConfigError as error:
+        parser.error(str(error))
+    args = parser.parse_args(rest)
+    try:
+        job = load_job(args.config, overrides, allow_imports=args.allow_import)
+    except ConfigError as error:
+        parser.error(str(error))
+    return args, job
+
+
+def preflight(job: JobConfig, *, resume: bool, allow_imports: Sequence[str] = ()) -> int:
+    """Everything checkable before a process starts; the world size to launch.
+
+    Raises ConfigError (or FileNotFoundError for data) naming the key.
+    """
+    from hyper_parallel.train.data import builtin_corpus, find_files
+    from hyper_parallel.train.metrics import check_metrics_extras
+    from hyper_parallel.train.tokenizer import build_tokenizer
+    from hyper_parallel.train.trainer import build_model_config, check_layout, check_resume
+
+    check_metrics_extras(job)
+    tokenizer = build_tokenizer(job.tokenizer.path)
+    build_model_config(job, tokenizer.vocab_size, tuple(allow_imports))
+    if job.data.path:
+        if not os.path.isdir(job.data.path):  # a datasets directory is read by datasets
+            find_files(job.data.path)
+    else:
+        builtin_corpus()
+    if job.validation.path and not os.path.isdir(job.validation.path):
+        find_files(job.validation.path, key="validation.path")
+    world = int(os.environ.get("WORLD_SIZE", job.parallelism.world_size))
+    check_layout(job, world)
+    if resume:
+        check_resume(job)
+    return world
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hp-train``; return the exit status (0 done, 1 a rank failed, 2 bad input, 130 Ctrl-C).
+
+    Example::
+
+        >>> main(["--print-config"])  # doctest: +SKIP
+    """
+    args, job = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.print_config:
+        sys.stdout.write(to_toml(job))
+        return 0
+    try:
+        world = preflight(job, resume=args.resume, allow_imports=args.allow_import)
+        if args.dry_run:
+            from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
+
+            ranks, counts = dry_run(job, allow_imports=tuple(args.allow_import))
+            print(format_report(job, ranks, counts))
+            if args.dry_run_memory is not None:
+                check_memory(ranks, args.dry_run_memory)
+            return 0
+    except (ConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as error:
+        print(f"hp-train: error: {error}", file=sys.stderr)
+        return 2
+    from hyper_parallel.train.trainer import train
+
+    options = {"resume": args.resume, "allow_imports": tuple(args.allow_import)}
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _under_torchrun(job, options)
+    from hyper_parallel.platform_torch.launch import DistributedRunError, run_distributed
+
+    start = time.perf_counter()
+    try:
+        run_distributed(
+            train,
+            world,
+            args=(job,),
+            kwargs=options,
+            device_type=job.training.device,
+            timeout_s=job.training.timeout,
+        )
+    except DistributedRunError as error:
+        print(f"hp-train FAILED: {error}", file=sys.stderr)
+        print("every rank process was stopped.", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhp-train interrupted: every rank process was stopped.", file=sys.stderr)
+        return 130
+    print(
+        f"[hp-train] {world} rank(s) finished in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _under_torchrun(job: JobConfig, options: dict[str, object]) -> int:
+    """This process is one rank of torchrun's world."""
+    import torch
+    import torch.distributed as dist
+
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.train.trainer import train
+
+    if job.training.device == "cpu":
+        torch.set_num_threads(1)
+    get_platform().init_process_group(job.training.device, timeout_s=job.training.timeout)
+    try:
+        train(job, resume=bool(options["resume"]), allow_imports=tuple(options["allow_imports"]))  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+    return 0

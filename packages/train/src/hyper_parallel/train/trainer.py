@@ -1,0 +1,555 @@
+"""The trainer: one rank's job (model, data, optimizer, loop, metrics, checkpoints) from a JobConfig."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import shutil
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule import ParallelDims, get_spec
+from hyper_parallel.dmodule.checkpoint import (
+    ModelState,
+    PendingSave,
+    TrainingState,
+    latest_step,
+    load,
+    load_hf,
+    save,
+    save_hf,
+    step_path,
+)
+from hyper_parallel.dmodule.models.training import StepResult, train_step
+from hyper_parallel.dmodule.pipeline import Pipeline
+from hyper_parallel.dtensor import DeviceMesh, FallbackWarning, collectives, init_device_mesh
+from hyper_parallel.platform import get_platform
+from hyper_parallel.train.config import DEFAULT_ALLOWED_IMPORTS, JobConfig, batch_layout
+from hyper_parallel.train.data import BatchSampler, PackedSamples, pack, read_documents
+from hyper_parallel.train.lr import lr_at
+from hyper_parallel.train.metrics import MetricsLogger, StepMetrics
+from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = [
+    "RunSummary",
+    "parallel_dims",
+    "build_model_config",
+    "check_layout",
+    "check_resume",
+    "load_samples",
+    "train",
+    "validate",
+]
+
+
+@dataclass
+class RunSummary:
+    """What rank 0 returns: every step's loss and rate of this run, and the validation losses."""
+
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    #: wall seconds of each step (data, forward, backward, update, loss reduction)
+    seconds: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    stopped_by_signal: bool = False
+    last_checkpoint: str = ""
+
+
+def _register_models() -> None:
+    """Import hp-dmodule's reference models, each of which registers its spec on import."""
+    import hyper_parallel.dmodule.models as models
+
+    for info in pkgutil.iter_modules(models.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{models.__name__}.{info.name}")
+
+
+def build_model_config(
+    job: JobConfig, tokenizer_vocab: int, allow_imports: tuple[str, ...] = ()
+) -> Any:
+    """The model's Config: the spec's flavor (or the HF directory's), then ``[model.config]``.
+
+    Without ``vocab_size`` in ``[model.config]`` (and no HF start) the vocabulary is raised to
+    the tokenizer's when it is smaller; a ``vocab_size`` given below the tokenizer's is an error.
+
+    Example::
+
+        >>> build_model_config(JobConfig(), 257).vocab_size
+        257
+    """
+    _register_models()
+    try:
+        spec = get_spec(job.model.name)
+    except LookupError as error:
+        raise ConfigError(str(error).strip("'\""), path="model.name") from error
+    if job.model.hf_dir:
+        config_cls = type(spec.config(job.model.flavor if job.model.flavor else None))
+        from_hf = getattr(config_cls, "from_hf", None)
+        if from_hf is None:
+            raise ConfigError(
+                f"model {job.model.name!r} cannot start from a Hugging Face directory "
+                "(its Config has no from_hf)",
+                path="model.hf_dir",
+            )
+        try:
+            base = from_hf(job.model.hf_dir)
+        except (ValueError, KeyError, OSError) as error:
+            raise ConfigError(f"{error}", path="model.hf_dir") from error
+    else:
+        try:
+            base = spec.config(job.model.flavor)
+        except LookupError as error:
+            raise ConfigError(str(error).strip("'\""), path="model.flavor") from error
+    user = dict(job.model.config)
+    try:
+        config = type(base).from_dict(
+            {**base.to_dict(), **user}, allow_imports=(*DEFAULT_ALLOWED_IMPORTS, *allow_imports)
+        )
+    except ConfigError as error:
+        raise ConfigError(error.message, path=f"model.config.{error.path}") from error
+    if "vocab_size" not in user and not job.model.hf_dir and config.vocab_size < tokenizer_vocab:
+        config = config.replace(vocab_size=tokenizer_vocab)
+    if config.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"expected a vocabulary of at least the tokenizer's {tokenizer_vocab} ids, found "
+            f"vocab_size = {config.vocab_size}",
+            path="model.config.vocab_size",
+        )
+    max_seq_len = getattr(config, "max_seq_len", None)
+    if max_seq_len is not None and job.training.seq_len > max_seq_len:
+        raise ConfigError(
+            f"expected at most the model's max_seq_len ({max_seq_len}), found "
+            f"{job.training.seq_len} (raise model.config.max_seq_len)",
+            path="training.seq_len",
+        )
+    return config
+
+
+def check_layout(job: JobConfig, world_size: int) -> None:
+    """The degrees against the world and what this trainer supports yet (ConfigError naming the key)."""
+    par = job.parallelism
+    if par.world_size != world_size:
+        raise ConfigError(
+            f"expected dp_replicate x dp_shard x cp x tp x pp = the world size {world_size}, "
+            f"found {par.dp_replicate} x {par.dp_shard} x {par.cp} x {par.tp} x {par.pp} = "
+            f"{par.world_size}",
+            path="parallelism",
+        )
+    parallel_dims(job, world_size)
+    for key, degree in (("cp", par.cp), ("ep", par.ep), ("etp", par.etp)):
+        if degree != 1:
+            raise ConfigError(
+                f"expected 1 (hp-train does not run {key} yet), found {degree}",
+                path=f"parallelism.{key}",
+            )
+    if par.pp > 1:
+        for key, value in (
+            ("checkpoint.dir", job.checkpoint.dir),
+            ("validation.interval", job.validation.interval),
+        ):
+            if value:
+                raise ConfigError(
+                    f"expected no value with parallelism.pp > 1 (not supported with a "
+                    f"pipeline yet), found {value!r}",
+                    path=key,
+                )
+
+
+def check_resume(job: JobConfig) -> int:
+    """The step ``--resume`` continues from: the newest committed checkpoint in ``checkpoint.dir``."""
+    if not job.checkpoint.dir:
+        raise ConfigError(
+            "--resume: expected a checkpoint directory, found none", path="checkpoint.dir"
+        )
+    found = latest_step(job.checkpoint.dir)
+    if found is None:
+        raise ConfigError(
+            f"--resume: expected a committed checkpoint (step-N) in {job.checkpoint.dir!r}, found none",
+            path="checkpoint.dir",
+        )
+    if found >= job.training.steps:
+        raise ConfigError(
+            f"--resume: expected more steps than the checkpoint's {found}, found "
+            f"{job.training.steps} (raise training.steps)",
+            path="training.steps",
+        )
+    return found
+
+
+def parallel_dims(job: JobConfig, world_size: int) -> ParallelDims:
+    """The job's degrees as a validated :class:`ParallelDims` (ConfigError naming the section)."""
+    par = job.parallelism
+    try:
+        return ParallelDims(
+            dp_replicate=par.dp_replicate,
+            dp_shard=par.dp_shard,
+            cp=par.cp,
+            tp=par.tp,
+            pp=par.pp,
+            ep=par.ep,
+            etp=par.etp,
+            world_size=world_size,
+        )
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error), path="parallelism") from error
+
+
+class _Stop:
+    """SIGTERM/SIGINT: remember it; the loop saves at the end of the step and exits."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.requested = True
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _param_groups(model_parts: list[torch.nn.Module], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay for matrices; none for norms, biases (ndim < 2) and embeddings."""
+    embeddings: set[int] = set()
+    for part in model_parts:
+        for module in part.modules():
+            # the rule BaseModel.Config.get_nparams_and_flops counts embeddings by
+            if isinstance(module, torch.nn.Embedding) or getattr(
+                type(module), "is_embedding", False
+            ):
+                embeddings.update(id(p) for p in module.parameters())
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for part in model_parts:
+        for param in part.parameters():
+            (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def load_samples(job: JobConfig, tokenizer: Tokenizer) -> tuple[PackedSamples, PackedSamples]:
+    """The training samples and the validation samples (``validation.path`` or a held-out tail)."""
+    data = job.data
+    everything = pack(
+        read_documents(data.path, format=data.format, field=data.field),
+        tokenizer,
+        seq_len=job.training.seq_len,
+    )
+    if job.validation.path:
+        held = pack(
+            read_documents(
+                job.validation.path, format=data.format, field=data.field, key="validation.path"
+            ),
+            tokenizer,
+            seq_len=job.training.seq_len,
+        )
+        return everything, held
+    n = len(everything)
+    tail = max(1, int(n * data.holdout)) if data.holdout > 0 and n > 1 else 0
+    return everything.subset(0, n - tail), everything.subset(n - tail, n)
+
+
+def train(
+    job: JobConfig,
+    *,
+    resume: bool = False,
+    allow_imports: tuple[str, ...] = (),
+    log: bool = True,
+) -> RunSummary | None:
+    """Run ``job`` on this rank (inside a process group); rank 0 returns the summary.
+
+    Example::
+
+        >>> run_distributed(train, 2, args=(load_job("job.toml"),))  # doctest: +SKIP
+    """
+    platform = get_platform()
+    rank, world = platform.get_rank(), platform.get_world_size()
+    check_layout(job, world)
+    device_type = job.training.device
+    device = platform.device_for(device_type)
+    tokenizer = build_tokenizer(job.tokenizer.path)
+    model_config = build_model_config(job, tokenizer.vocab_size, allow_imports)
+    local_batch, accumulation = batch_layout(job)
+    dims = parallel_dims(job, world)
+    dims.build_mesh(device_type)
+    spec = get_spec(job.model.name)
+    with torch.device("meta"):
+        model = model_config.build()
+    nparams, flops_per_token = model_config.get_nparams_and_flops(model, job.training.seq_len)
+    pipe: Pipeline | None = None
+    if job.parallelism.pp > 1:
+        if spec.pipelining_fn is None:
+            raise ConfigError(
+                f"model {job.model.name!r} has no pipelining_fn", path="parallelism.pp"
+            )
+        pipeline_options = {
+            "schedule": job.parallelism.pipeline_schedule,
+            "n_microbatches": job.parallelism.pipeline_microbatches or job.parallelism.pp,
+        }
+        pipe = spec.pipelining_fn(model, dims, {"pipeline": pipeline_options})
+        assert pipe is not None
+        torch.manual_seed(job.training.seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            pipe.init_weights(buffer_device=device)
+        parts = list(pipe.model_parts)
+    else:
+        ac = {"activation_checkpoint": job.parallelism.activation_checkpoint}
+        # with neither tp nor fsdp the model stays a plain module (replicas average below)
+        if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
+            model = spec.parallelize_fn(model, dims, ac)
+        model.to_empty(device=device)
+        torch.manual_seed(job.training.seed)
+        with warnings.catch_warnings():
+            # random init fills full tensors and keeps this rank's slice, by design
+            warnings.simplefilter("ignore", FallbackWarning)
+            model.init_weights(buffer_device=device)
+        if job.model.hf_dir:
+            load_hf(model, job.model.hf_dir)
+        parts = [model]
+    optimizer = torch.optim.AdamW(
+        _param_groups(parts, job.optimizer.weight_decay),
+        lr=job.optimizer.lr,
+        betas=job.optimizer.betas,
+        eps=job.optimizer.eps,
+        foreach=False,
+    )
+    train_samples, val_samples = load_samples(job, tokenizer)
+    dp_rank, dp = dims.batch_mesh.get_local_rank(0), dims.dp
+    sampler = BatchSampler(
+        train_samples,
+        seed=job.training.seed,
+        dp_rank=dp_rank,
+        dp=dp,
+        local_batch=local_batch,
+        accumulation=accumulation,
+    )
+    state = TrainingState(device=device)
+    app: dict[str, Any] = {"app": ModelState(model, optimizer), "train": state}
+    if resume:
+        check_resume(job)
+        loaded = load(app, job.checkpoint.dir)
+        saved_model = state.extra.get("model")
+        if saved_model not in (None, job.model.name):
+            raise ConfigError(
+                f"--resume: expected a checkpoint of model {job.model.name!r}, found one of "
+                f"{saved_model!r} in {str(step_path(job.checkpoint.dir, loaded))!r}",
+                path="checkpoint.dir",
+            )
+        sampler.position = state.data_position
+    state.extra["model"] = job.model.name
+    metrics = MetricsLogger(job, rank=rank, resumed=resume) if log else None
+    tokens_per_step = job.training.global_batch_size * job.training.seq_len
+    summary = RunSummary(first_step=state.step + 1)
+    # the loss is averaged where the batch is split; replicas that FSDP does not cover average here
+    loss_mesh, loss_axes = dims.loss_mesh, ("loss",) if dims.loss_mesh.size() > 1 else ()
+    average_over = None if dims.fsdp_enabled or dims.dp == 1 else (dims.batch_mesh, "batch")
+    pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
+    if metrics is not None:
+        metrics.start(nparams=nparams, world=world, first_step=state.step + 1)
+    stop = _Stop()
+    pending: PendingSave | None = None
+    profile = _profiler(job, rank)
+    everyone = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
+    with stop.installed(), profile as profiler:
+        for step in range(state.step + 1, job.training.steps + 1):
+            start = time.perf_counter()
+            batches = [b.to(device) for b in sampler.next_step()]
+            data_seconds = time.perf_counter() - start
+            lr = lr_at(step, job.optimizer.lr, job.lr_scheduler)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            result: StepResult = train_step(
+                pipe if pipe is not None else model,
+                [(b.tokens, b.targets, b.document_ids) for b in batches],
+                optimizer,
+                loss_mesh=loss_mesh,
+                loss_axes=loss_axes,
+                pp_mesh=pp_mesh,
+                average_over=average_over,
+                max_norm=job.training.max_norm,
+                skip_nonfinite=job.training.skip_nonfinite,
+                step=step,
+            )
+            seconds = time.perf_counter() - start
+            state.step, state.data_position = step, sampler.position
+            if profiler is not None:
+                profiler.step()
+            summary.losses.append(result.loss)
+            summary.lrs.append(lr)
+            summary.grad_norms.append(result.grad_norm)
+            summary.seconds.append(seconds)
+            if metrics is not None and (
+                step % job.metrics.log_interval == 0 or step == job.training.steps
+            ):
+                metrics.log_step(
+                    StepMetrics(
+                        step=step,
+                        loss=result.loss,
+                        lr=lr,
+                        grad_norm=result.grad_norm,
+                        tokens_per_second=tokens_per_step / seconds,
+                        tflops_per_device=flops_per_token
+                        * tokens_per_step
+                        / seconds
+                        / world
+                        / 1e12,
+                        data_wait=data_seconds / seconds,
+                        epoch=sampler.epoch,
+                        memory_gib=_peak_memory_gib(device),
+                    ),
+                    steps=job.training.steps,
+                )
+            if job.validation.interval and step % job.validation.interval == 0:
+                val = validate(
+                    model, val_samples, job, loss_mesh, loss_axes, dp_rank, dp, local_batch, device
+                )
+                summary.val_losses[step] = val
+                if metrics is not None:
+                    metrics.log_validation(step, val)
+            stopping = _agree(stop.requested, everyone, device)
+            due = bool(job.checkpoint.dir) and (
+                step == job.training.steps
+                or (job.checkpoint.interval and step % job.checkpoint.interval == 0)
+                or stopping
+            )
+            if due:
+                if pending is not None:
+                    pending.wait()
+                saved = save(
+                    app,
+                    job.checkpoint.dir,
+                    step=step,
+                    async_save=job.checkpoint.async_save and not stopping,
+                )
+                if isinstance(saved, PendingSave):
+                    pending = saved
+                    summary.last_checkpoint = str(saved.path)
+                else:
+                    pending = None
+                    summary.last_checkpoint = str(saved)
+                    _keep_last(job, rank)
+                if metrics is not None:
+                    metrics.note(f"checkpoint {summary.last_checkpoint}")
+            if stopping:
+                summary.stopped_by_signal = True
+                if metrics is not None:
+                    metrics.note(f"stopped by a signal after step {step}; resume with --resume")
+                break
+    if pending is not None:
+        pending.wait()
+        _keep_last(job, rank)
+    if job.checkpoint.export_hf and pipe is None:
+        save_hf(model, job.checkpoint.export_hf)
+        if metrics is not None:
+            metrics.note(f"exported Hugging Face weights to {job.checkpoint.export_hf}")
+    if metrics is not None:
+        metrics.finish(summary)
+    return summary if rank == 0 else None
+
+
+def validate(
+    model: torch.nn.Module,
+    samples: PackedSamples,
+    job: JobConfig,
+    mesh: DeviceMesh,
+    dp_axes: tuple[str, ...],
+    dp_rank: int,
+    dp: int,
+    local_batch: int,
+    device: torch.device,
+) -> float:
+    """Mean loss over ``validation.steps`` global batches of the held-out samples (same every time)."""
+    sampler = BatchSampler(
+        samples,
+        seed=0,
+        dp_rank=dp_rank,
+        dp=dp,
+        local_batch=local_batch,
+        accumulation=1,
+        shuffle=False,
+    )
+    total = torch.zeros(1, device=device)
+    count = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for _ in range(job.validation.steps):
+            for batch in sampler.next_step():
+                b = batch.to(device)
+                loss = model.loss(b.tokens, b.targets)  # type: ignore[operator]
+                total += loss.detach().reshape(1)
+                count += 1
+    model.train(was_training)
+    mean = total / count
+    if dp_axes:
+        mean = collectives.all_reduce_over(mean, mesh, dp_axes, "avg")
+    return float(mean.item())
+
+
+def _agree(flag: bool, everyone: DeviceMesh, device: torch.device) -> bool:
+    """Whether any rank's ``flag`` is set (one all-reduce over the world)."""
+    if everyone.size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(collectives.all_reduce(value, everyone, 0, "max").item() > 0)
+
+
+def _keep_last(job: JobConfig, rank: int) -> None:
+    """Remove committed checkpoints beyond the newest ``checkpoint.keep`` (rank 0)."""
+    if rank != 0 or job.checkpoint.keep <= 0:
+        return
+    root = Path(job.checkpoint.dir)
+    steps = sorted(
+        int(p.name.split("-", 1)[1]) for p in root.glob("step-*") if (p / ".metadata").is_file()
+    )
+    for old in steps[: -job.checkpoint.keep]:
+        shutil.rmtree(step_path(root, old), ignore_errors=True)
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    """Accelerator max allocated, or this process's max RSS on the CPU, in GiB."""
+    if device.type != "cpu":
+        module = torch.get_device_module(device)
+        return float(module.max_memory_allocated(device)) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _profiler(job: JobConfig, rank: int) -> Any:
+    """A torch.profiler over steps ``start_step..end_step`` when ``profiling.dir`` is set."""
+    prof = job.profiling
+    if not prof.dir or prof.end_step < prof.start_step or prof.start_step < 1:
+        return nullcontext(None)
+    directory = Path(prof.dir)
+
+    def export(profiler: torch.profiler.profile) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(directory / f"rank{rank}.json"))
+
+    return torch.profiler.profile(
+        schedule=torch.profiler.schedule(
+            wait=prof.start_step - 1, warmup=0, active=prof.end_step - prof.start_step + 1, repeat=1
+        ),
+        on_trace_ready=export,
+    )

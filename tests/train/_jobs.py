@@ -1,0 +1,48 @@
+"""Tiny jobs for hp-train's tests: a small corpus on disk and a one-block llama-ref."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hyper_parallel.train.config import JobConfig
+
+#: A model small enough that a 2-rank step takes milliseconds.
+TINY_MODEL = [
+    'model.config={"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 32, '
+    '"max_seq_len": 16}',
+    "training.seq_len=16",
+    "training.global_batch_size=4",
+    "optimizer.lr=0.01",
+    "lr_scheduler.warmup_steps=2",
+    "data.holdout=0.1",
+]
+
+
+def write_corpus(directory: Path, documents: int = 12) -> Path:
+    """``documents`` text files of varied English-like sentences (a few KB), deterministic."""
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "red",
+        "owls",
+        "sing",
+    ]
+    directory.mkdir(parents=True, exist_ok=True)
+    for d in range(documents):
+        sentence = " ".join(words[(d * 5 + i * 3) % len(words)] for i in range(60))
+        (directory / f"doc{d:02d}.txt").write_text(f"Document {d}. {sentence}.\n")
+    return directory
+
+
+def tiny_job(corpus: Path, *overrides: str) -> JobConfig:
+    """The tiny model on ``corpus`` with ``overrides`` on top."""
+    return JobConfig().apply_overrides([*TINY_MODEL, f"data.path={corpus}", *overrides])

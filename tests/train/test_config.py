@@ -1,0 +1,158 @@
+"""JobConfig: TOML in, dotted overrides, --print-config out (and back), errors naming the key."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyper_parallel.config import ConfigError
+from hyper_parallel.train import JobConfig, batch_layout, load_job, to_toml
+from hyper_parallel.train.cli import main
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+#: The issue's example job: the names users' files rely on.
+EXAMPLE = """
+[model]
+name = "llama-ref"
+flavor = "debug"
+[model.config]
+dim = 64
+[parallelism]
+tp = 2
+dp_shard = 1
+[data]
+path = "corpus/"
+[training]
+steps = 10
+seq_len = 64
+global_batch_size = 8
+seed = 0
+[optimizer]
+lr = 3e-3
+[lr_scheduler]
+warmup_steps = 2
+[checkpoint]
+dir = "ckpt"
+interval = 5
+[metrics]
+log_interval = 1
+tensorboard_dir = "tb"
+jsonl = "metrics.jsonl"
+[validation]
+interval = 5
+steps = 2
+"""
+
+
+def test_the_example_job_reads_with_every_value_in_place(tmp_path: Path) -> None:
+    file = tmp_path / "job.toml"
+    file.write_text(EXAMPLE)
+    job = load_job(file)
+    assert job.model.config == {"dim": 64}
+    assert (job.parallelism.tp, job.training.steps, job.training.seq_len) == (2, 10, 64)
+    assert (job.checkpoint.dir, job.checkpoint.interval, job.metrics.jsonl) == (
+        "ckpt",
+        5,
+        "metrics.jsonl",
+    )
+    assert (job.validation.interval, job.validation.steps, job.optimizer.lr) == (5, 2, 3e-3)
+
+
+def test_toml_config_toml_round_trip(tmp_path: Path) -> None:
+    file = tmp_path / "job.toml"
+    file.write_text(EXAMPLE)
+    job = load_job(file, ["lr_scheduler.decay_steps=7", "training.local_batch_size=2"])
+    text = to_toml(job)
+    again = JobConfig.from_dict(tomllib.loads(text))
+    assert again == job
+    assert to_toml(again) == text
+    # every field written: the file alone says the whole job (only unset options are absent)
+    assert tomllib.loads(text)["training"]["local_batch_size"] == 2
+
+
+def test_print_config_writes_only_toml_that_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "job.toml"
+    file.write_text(EXAMPLE)
+    assert main(["--config", str(file), "--print-config", "--training.steps=200"]) == 0
+    out = capsys.readouterr().out
+    assert JobConfig.from_dict(tomllib.loads(out)) == load_job(file, ["training.steps=200"])
+
+
+def test_overrides_apply_over_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "job.toml"
+    file.write_text(EXAMPLE)
+    job = load_job(file, ["training.steps=200", "model.config.n_layers=3"])
+    assert job.training.steps == 200
+    assert job.model.config == {"dim": 64, "n_layers": 3}
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "message"),
+    [
+        ("training.seq_len=abc", "training.seq_len", "expected int, found 'abc'"),
+        ("training.seqlen=3", "training.seqlen", "did you mean 'seq_len'"),
+        ("trainign.steps=3", "trainign", "did you mean 'training'"),
+        ("training.steps=0", "training.steps", "expected an int >= 1, found 0"),
+        ("lr_scheduler.decay=exp", "lr_scheduler.decay", "'cosine'"),
+        ("optimizer.lr=-1", "optimizer.lr", "expected a finite float > 0"),
+    ],
+)
+def test_bad_values_name_the_key(override: str, key: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as error:
+        load_job(None, [override])
+    assert error.value.path == key
+
+
+def test_unknown_key_in_a_file_is_refused_with_the_file_and_key(tmp_path: Path) -> None:
+    file = tmp_path / "job.toml"
+    file.write_text("[training]\nstepz = 3\n")
+    with pytest.raises(
+        ConfigError, match=r"job.toml: training.stepz: unknown field 'stepz'.*'steps'"
+    ):
+        load_job(file)
+
+
+def test_global_batch_must_divide_by_dp_times_local_batch() -> None:
+    with pytest.raises(ConfigError, match=r"divide by dp .* = 2\) x local_batch_size \(3\)") as e:
+        load_job(None, ["parallelism.dp_shard=2", "training.local_batch_size=3"])
+    assert e.value.path == "training.global_batch_size"
+    job = load_job(
+        None,
+        ["parallelism.dp_shard=2", "training.global_batch_size=8", "training.local_batch_size=2"],
+    )
+    assert batch_layout(job) == (2, 2)  # 8 = dp 2 x local 2 x accumulation 2
+
+
+@pytest.mark.parametrize("ref", ["os:system", "builtins:eval"])
+def test_a_job_cannot_name_arbitrary_code(
+    ref: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = ref.split(":")[0]
+    file = tmp_path / "job.toml"
+    file.write_text(f'[model.config.param_init]\nweight = "{ref}"\n')
+    # refused before any process starts, naming the key and the module: in a file ...
+    assert main(["--config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"model.config.param_init.weight: refusing to import '{ref}': module '{module}'" in err
+    # ... and on the command line
+    assert main([f'--model.config.param_init={{"weight": "{ref}"}}']) == 2
+    assert f"module '{module}' is not on the allowlist" in capsys.readouterr().err
+
+
+def test_allow_import_admits_a_named_module(tmp_path: Path) -> None:
+    from hyper_parallel.train.trainer import build_model_config
+
+    job = load_job(None, ['model.config={"param_init": {"weight": "math:sqrt"}}'])
+    with pytest.raises(ConfigError, match="'math' is not on the allowlist"):
+        build_model_config(job, 257)
+    import math
+
+    assert build_model_config(job, 257, ("math",)).param_init == {"weight": math.sqrt}
