@@ -35,17 +35,21 @@ ETP = "etp"  # not a MeshAxisName member: those are upstream's values
 ScoreFunc = Literal["softmax", "sigmoid"]
 
 
-def expert_sharding() -> ShardingConfig:
-    """The expert-parallel layout: experts ``Shard(0)`` on ``ep``, hidden units on ``etp``.
+def expert_sharding(*, etp: bool = False) -> ShardingConfig:
+    """The expert-parallel layout: experts ``Shard(0)`` on ``ep``; with ``etp``, hidden units too.
 
-    ``w1``/``w3`` (``[E, hidden, dim]``) split their hidden dim over ``etp`` and ``w2``
-    (``[E, dim, hidden]``) its input dim, as a column- then row-parallel pair.
+    With ``etp=True``, ``w1``/``w3`` (``[E, hidden, dim]``) split their hidden dim over
+    ``etp`` and ``w2`` (``[E, dim, hidden]``) its input dim, a column- then row-parallel
+    pair. Without it the experts live on the 1-D ``ep`` view, which ``fully_shard`` over
+    ``efsdp`` composes with.
 
     Example::
 
-        >>> expert_sharding().state_shardings["w2"]
+        >>> expert_sharding(etp=True).state_shardings["w2"]
         {MeshAxisName.EP: Shard(dim=0), 'etp': Shard(dim=2)}
     """
+    if not etp:
+        return ShardingConfig(state_shardings={name: {EP: Shard(0)} for name in ("w1", "w2", "w3")})
     return ShardingConfig(
         state_shardings={
             "w1": {EP: Shard(0), ETP: Shard(1)},
@@ -160,7 +164,7 @@ class GroupedExperts(Module):
         Example::
 
             >>> GroupedExperts.Config().sharding_config.state_shardings["w1"]
-            {MeshAxisName.EP: Shard(dim=0), 'etp': Shard(dim=1)}
+            {MeshAxisName.EP: Shard(dim=0)}
         """
 
         dim: int = 64
@@ -257,6 +261,9 @@ class MoE(Module):
     class Config(Module.Config):
         """Routing (as :class:`TokenChoiceTopKRouter`), expert sizes, shared experts, balancing.
 
+        ``expert_tensor_parallel``: the experts' hidden units are split over ``etp`` too
+        (:func:`expert_sharding`; for ``ParallelDims(etp=tp)``).
+
         Example::
 
             >>> MoE.Config(num_experts=4, top_k=2, shared_hidden_dim=32).shared_hidden_dim
@@ -273,6 +280,7 @@ class MoE(Module):
         shared_hidden_dim: int = 0
         load_balance_coeff: float | None = None
         aux_loss_coeff: float = 0.0
+        expert_tensor_parallel: bool = False
 
         def validate(self) -> None:
             """Routing as the router's; ``hidden_dim >= 1``; coefficients finite and >= 0."""
@@ -305,7 +313,10 @@ class MoE(Module):
             route_scale=config.route_scale,
         ).build()
         self.experts = GroupedExperts.Config(
-            dim=config.dim, hidden_dim=config.hidden_dim, num_experts=config.num_experts
+            dim=config.dim,
+            hidden_dim=config.hidden_dim,
+            num_experts=config.num_experts,
+            sharding_config=expert_sharding(etp=config.expert_tensor_parallel),
         ).build()
         self.shared_experts: FeedForward | None = None
         if config.shared_hidden_dim > 0:
@@ -356,7 +367,10 @@ class MoE(Module):
         if as_dtensor is not None:
             out = DTensor.from_local(out, as_dtensor.device_mesh, as_dtensor.placements)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if isinstance(shared, DTensor) and not isinstance(out, DTensor):
+                shared = shared.to_local()  # parallelized on the dense view, x a plain tensor
+            out = out + shared
         return out
 
 
