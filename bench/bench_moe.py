@@ -137,6 +137,8 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
         slowest = float(collectives.all_reduce(torch.tensor([t]), world, "world", "max")[0])
         naive = None
         if ep > 1:
+            with torch.no_grad():  # the naive dispatch computes the same layer
+                torch.testing.assert_close(_naive_ep(model, x, ep_mesh), model(x))
             collectives.all_reduce(torch.zeros(1), world, "world")
             tn = _timed(functools.partial(_naive_step, model, x, ep_mesh), args.steps)
             naive = float(collectives.all_reduce(torch.tensor([tn]), world, "world", "max")[0])

@@ -429,15 +429,13 @@ def _run_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor)
 
 def _group_by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder (source, expert)-major chunks of ``recv_counts`` expert-major."""
-    sources, local_experts = recv_counts.shape
     sizes = recv_counts.reshape(-1)
-    starts = torch.cumsum(sizes, 0) - sizes
-    chunk_order = torch.arange(sources * local_experts).reshape(sources, local_experts).t()
-    chunk_order = chunk_order.reshape(-1)
-    pieces = [
-        torch.arange(int(starts[c]), int(starts[c]) + int(sizes[c])) for c in chunk_order.tolist()
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes  # where each (source, expert) chunk begins
+    by_expert_sizes = recv_counts.t().reshape(-1)
+    by_expert_starts = starts.reshape(recv_counts.shape).t().reshape(-1)
+    placed = torch.cumsum(by_expert_sizes, 0) - by_expert_sizes  # where it lands
+    shift = torch.repeat_interleave(by_expert_starts - placed, by_expert_sizes)
+    return shift + torch.arange(shift.numel())
 
 
 class _AllToAll(torch.autograd.Function):
