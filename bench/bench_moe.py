@@ -12,8 +12,10 @@ routes its quarter of the global batch. Reported per ep:
   reduce-scatters the outputs back (the dispatch an all-to-all replaces);
 - expert bytes per rank over the whole experts' (goal: 1/ep);
 - all-to-all bytes per rank per step (CommDebugMode's record: this rank's input bytes,
-  forward and backward, token rows only) against the minimum the routing needs: each
-  (token, remote rank) pair sent once out and once back, forward and backward;
+  forward and backward, token rows only, the rows a rank sends itself included) and the
+  bytes of the rows that go to another rank, each against the minimum the routing needs:
+  each (token, remote rank) pair sent once out and once back, forward and backward (a
+  token with two experts on one rank is sent once);
 - max/mean of the token-expert rows each rank's experts receive (the load balance).
 """
 
@@ -117,14 +119,16 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
     x_all = torch.randn(args.tokens, args.dim)
     rank = torch.distributed.get_rank()
     rows = args.tokens // WORLD
-    x = x_all[rank * rows : (rank + 1) * rows]
+    # an activation, as inside a model: its gradient is needed, so the backward moves it back
+    x = x_all[rank * rows : (rank + 1) * rows].clone().requires_grad_()
     results: dict[str, Any] = {}
     world = DeviceMesh("cpu", torch.arange(WORLD), mesh_dim_names=("world",))
     if rank == 0:
         torch.manual_seed(1)
         single = cfg.build()
         single.init_states()
-        results["single"] = _timed(functools.partial(_step, single, x_all), args.steps)
+        x_whole = x_all.clone().requires_grad_()
+        results["single"] = _timed(functools.partial(_step, single, x_whole), args.steps)
     for ep in (1, 2, 4):
         dims = ParallelDims(dp_shard=WORLD, ep=ep)
         torch.manual_seed(1)
@@ -156,8 +160,10 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = cfg.num_experts // ep
         owner = experts // per_rank
         me = ep_mesh.get_local_rank("ep")
-        remote_pairs = sum(int(((owner == r).any(-1)).sum()) for r in range(ep) if r != me)
-        minimum = remote_pairs * args.dim * 4 * 4
+        remote_tokens = sum(int(((owner == r).any(-1)).sum()) for r in range(ep) if r != me)
+        row_moves = args.dim * 4 * 4  # float32 rows, 4 moves
+        minimum = remote_tokens * row_moves
+        remote_rows = int((owner != me).sum()) * row_moves
         counts = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts)
         counts = collectives.all_reduce(counts, world, "world", "sum")  # every batch rank's rows
         received = counts.reshape(ep, per_rank).sum(1).float() / (WORLD // ep)
@@ -167,6 +173,7 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
             "expert_bytes_share": local / full,
             "a2a_bytes": token_bytes,
             "a2a_min_bytes": minimum,
+            "a2a_remote_bytes": remote_rows,
             "load_max_over_mean": float(received.max() / received.mean()),
         }
     return results
@@ -189,7 +196,8 @@ def main() -> None:
     single = per_rank[0]["single"]
     print(f"one process, {args.tokens} tokens: {single * 1e3:.1f} ms/step")
     print(
-        "ep | step ms | 1-proc/step | naive/step | expert bytes/rank | a2a bytes / min | load max/mean"
+        "ep | step ms | 1-proc/step | naive/step | expert bytes/rank "
+        "| a2a bytes / min | to other ranks / min | load max/mean"
     )
     for ep in (1, 2, 4):
         rows = [r[f"ep{ep}"] for r in per_rank]
@@ -197,11 +205,13 @@ def main() -> None:
         naive = rows[0]["naive_s"]
         a2a = statistics.mean(r["a2a_bytes"] for r in rows)
         minimum = statistics.mean(r["a2a_min_bytes"] for r in rows)
+        remote = statistics.mean(r["a2a_remote_bytes"] for r in rows)
         print(
             f"{ep:>2} | {step * 1e3:7.1f} | {single / step:11.2f} | "
             f"{'-' if naive is None else f'{naive / step:10.2f}'} | "
             f"{rows[0]['expert_bytes_share']:17.3f} | "
             f"{'-' if minimum == 0 else f'{a2a / minimum:15.2f}'} | "
+            f"{'-' if minimum == 0 else f'{remote / minimum:20.2f}'} | "
             f"{rows[0]['load_max_over_mean']:.2f}"
         )
 
