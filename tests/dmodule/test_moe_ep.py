@@ -18,6 +18,7 @@ from hyper_parallel.dmodule.layers import MoE, update_load_balance
 from hyper_parallel.dtensor import (
     CommDebugMode,
     DTensor,
+    Replicate,
     clip_grad_norm_,
     collectives,
     distribute_tensor,
@@ -234,3 +235,23 @@ def test_ep_layouts_that_do_not_fit_the_ranks_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match=fragment):
         ParallelDims(**kwargs)
+
+
+def _tp_replicated_input_with_ep_borrowing_tp() -> str:
+    torch.set_num_threads(1)
+    dims = ParallelDims(tp=2, ep=2)  # etp=1: ep takes the tp ranks
+    model = _config().build()
+    model.init_states()
+    model.parallelize(dims)
+    x = DTensor.from_local(torch.randn(2, SEQ, DIM), dims.get_mesh("tp"), [Replicate()])
+    try:
+        model(x)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_tp_replicated_tokens_are_refused_when_experts_split_over_ep_only() -> None:
+    for message in run_on_ranks(_tp_replicated_input_with_ep_borrowing_tp, 2, timeout_s=240):
+        assert "replicated over mesh axis 'tp' (2 ranks)" in message
+        assert "expert_tensor_parallel=True" in message

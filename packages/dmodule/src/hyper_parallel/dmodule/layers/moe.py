@@ -18,7 +18,7 @@ from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, collectives
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, collectives
 
 __all__ = [
     "GroupedExperts",
@@ -347,6 +347,8 @@ class MoE(Module):
         """Route every token of ``x`` (``[..., dim]``) to its top-k experts and combine."""
         cfg = self.config
         as_dtensor = x if isinstance(x, DTensor) else None
+        if as_dtensor is not None:
+            _refuse_duplicated_tokens(self.experts, as_dtensor)
         local = _local(x)
         tokens = local.reshape(-1, cfg.dim)
         weights, experts, probs = self.router(tokens, _local_or_none(self.expert_bias))
@@ -372,6 +374,28 @@ class MoE(Module):
                 shared = shared.to_local()  # parallelized on the dense view, x a plain tensor
             out = out + shared
         return out
+
+
+def _refuse_duplicated_tokens(experts: GroupedExperts, x: DTensor) -> None:
+    """Raise if ``x`` is replicated over an axis while experts are split only over ``ep``.
+
+    Each rank would send the same tokens to the experts, so their gradients would count
+    every token once per rank of that axis.
+    """
+    _, ep, etp = _expert_axes(experts)
+    if not ep or etp:
+        return
+    names = x.device_mesh.mesh_dim_names or ()
+    for i, placement in enumerate(x.placements):
+        if isinstance(placement, Replicate) and x.device_mesh.size(i) > 1:
+            axis = names[i] if i < len(names) else i
+            raise ValueError(
+                f"MoE: the input is replicated over mesh axis {axis!r} "
+                f"({x.device_mesh.size(i)} ranks) while the experts are split over 'ep' only, "
+                "so each token would reach its experts once per rank of that axis; expected "
+                "distinct tokens per rank (e.g. sequence-parallel Shard(1) input) or "
+                "expert_tensor_parallel=True with ParallelDims(etp=tp)"
+            )
 
 
 def _local_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
