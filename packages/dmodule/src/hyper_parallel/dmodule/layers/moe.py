@@ -221,9 +221,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch's grouped matmul: CUDA kernels, bfloat16, rows a multiple of 16 bytes."""
+    """torch's grouped matmul: CUDA (sm90+) kernels, bfloat16, rows a multiple of 16 bytes."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
         return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False  # the kernels need Hopper or newer
     if not (x.dtype == w1.dtype == w2.dtype == torch.bfloat16):
         return False
     size = x.element_size()
