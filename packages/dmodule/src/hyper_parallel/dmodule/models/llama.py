@@ -30,6 +30,7 @@ from hyper_parallel.dmodule.models.llama_sharding import (
     output_config,
     parallelize_llama,
 )
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
@@ -201,7 +202,7 @@ class Llama(BaseModel):
         """
         return cross_entropy(self(tokens), targets)
 
-    def parallelize(self, mesh: DeviceMesh) -> Llama:
+    def parallelize(self, mesh: DeviceMesh | ParallelDims) -> Llama:
         """Tensor parallel over ``mesh`` (:func:`~.llama_sharding.apply_tp`), then compile.
 
         The head counts must divide by the ``tp`` size; the ``local_map`` blocks are
@@ -248,7 +249,9 @@ LLAMA_PIPELINE_SPLIT = PipelineSplit(
 )
 
 
-def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Pipeline:
+def pipeline_llama(
+    model: Llama, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Pipeline:
     """The spec's ``pipelining_fn``: :func:`~hyper_parallel.dmodule.pipeline.pipeline` with the loss.
 
     ``job_config["pipeline"]`` (a mapping) may give ``schedule``, ``n_microbatches``
@@ -266,7 +269,8 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) ->
             f"pipeline_llama: job_config['pipeline'] names {unknown}; expected schedule, "
             f"n_microbatches, stages_per_rank or split"
         )
-    options.setdefault("n_microbatches", mesh.size(axis_name(MeshAxisName.PP)))
+    pp = mesh.pp if isinstance(mesh, ParallelDims) else mesh.size(axis_name(MeshAxisName.PP))
+    options.setdefault("n_microbatches", pp)
     return pipeline(model, mesh, loss_fn=cross_entropy, **options)
 
 

@@ -53,6 +53,7 @@ from hyper_parallel.dmodule.layers import (
     TransformerBlock,
 )
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.dtensor.fsdp import fully_shard
@@ -185,17 +186,21 @@ def output_config(config: Llama.Config) -> Linear.Config:
 
 
 # -- the composition: TP -> activation checkpointing -> compile -> FSDP -----------------------
-def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
+def parallelize_llama(
+    model: Llama, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Llama:
     """The spec's ``parallelize_fn``: TP, activation checkpointing, compile, then FSDP.
 
     The Configs' layouts over ``mesh["tp"]``; then activation checkpointing of every block
     when ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
     ``"selective"``; then the ``local_map`` blocks compiled when the model's
     ``compile_local_map`` says so; then, on a mesh with a ``dp_shard`` axis (and
-    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`).
+    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`). A
+    :class:`ParallelDims` gives TP over its ``tp`` view and FSDP over its ``fsdp`` view.
 
     Example::
 
+        model = parallelize_llama(Llama.Config().build(), ParallelDims(dp_shard=2, tp=2))
         model = parallelize_llama(Llama.Config().build(), mesh)
         model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
@@ -210,8 +215,10 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None)
     return model
 
 
-def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+def _tp_mesh(mesh: DeviceMesh | ParallelDims) -> DeviceMesh | ParallelDims | None:
     """The mesh tensor parallelism runs over (``None``: a data-parallel-only mesh)."""
+    if isinstance(mesh, ParallelDims):
+        return mesh  # each state resolves its own view
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
     if tp_name in names:
@@ -219,17 +226,20 @@ def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return None if axis_name(MeshAxisName.DP_SHARD) in names else mesh
 
 
-def apply_tp(model: Llama, mesh: DeviceMesh) -> Llama:
+def apply_tp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
     """Check the head counts divide by the ``tp`` size, then shard as the Configs above declare.
 
     Example::
 
         apply_tp(Llama.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     """
-    names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
-    if tp_name in names:
-        tp = mesh.size(names.index(tp_name))
+    if isinstance(mesh, ParallelDims):
+        tp: int | None = mesh.tp
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        tp = mesh.size(names.index(tp_name)) if tp_name in names else None
+    if tp is not None:
         cfg = model.config
         n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
         if cfg.n_heads % tp or n_kv % tp:
@@ -253,7 +263,7 @@ def apply_compile(model: Llama) -> Llama:
     return model
 
 
-def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
+def apply_fsdp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
     """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
@@ -264,12 +274,17 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
         model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
     """
-    names = tuple(mesh.mesh_dim_names or ())
-    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
-    if shard not in names:
-        return model
-    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-    dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    if isinstance(mesh, ParallelDims):
+        if not mesh.fsdp_enabled:
+            return model
+        dp_mesh = mesh.fsdp_mesh
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+        if shard not in names:
+            return model
+        hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+        dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
     fully_shard(model.tok_embeddings, mesh=dp_mesh)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
