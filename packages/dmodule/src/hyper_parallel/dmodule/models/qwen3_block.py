@@ -15,8 +15,14 @@ import torch.nn.functional as F
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
-from hyper_parallel.dmodule.layers import FeedForward, Linear, RMSNorm, block_sharding
-from hyper_parallel.dmodule.layers import apply_rotary, rotary_tables
+from hyper_parallel.dmodule.layers import (
+    FeedForward,
+    Linear,
+    RMSNorm,
+    apply_rotary,
+    block_sharding,
+    rotary_tables,
+)
 from hyper_parallel.dmodule.module import Module
 
 __all__ = ["Qwen3Attention", "Qwen3Block"]

@@ -38,6 +38,7 @@ from hyper_parallel.dmodule.activation_checkpoint import (
 from hyper_parallel.dmodule.layers import Embedding, FeedForward, Linear, RMSNorm, block_sharding
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.dtensor.fsdp import fully_shard
@@ -162,12 +163,21 @@ def output_config(config: Qwen3.Config) -> Linear.Config:
     )
 
 
-# -- the composition: TP -> activation checkpointing -> compile -> FSDP -----------------------
-def parallelize_qwen3(model: Qwen3, mesh: DeviceMesh, job_config: object = None) -> Qwen3:
-    """The spec's ``parallelize_fn``: TP, activation checkpointing, compile, then FSDP.
+# -- the composition: TP -> EP -> activation checkpointing -> compile -> FSDP --------------
+def parallelize_qwen3(
+    model: Qwen3, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Qwen3:
+    """The spec's ``parallelize_fn``: TP and EP, activation checkpointing, compile, then FSDP.
+
+    The Configs' layouts (:func:`apply_tp`: dense states over ``tp``, routed experts over
+    ``ep``/``etp`` of the expert view); then activation checkpointing of every block when
+    ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
+    ``"selective"``; then the ``local_map`` blocks compiled when ``compile_local_map`` is
+    set; then fully sharded data parallelism (:func:`apply_fsdp`).
 
     Example::
 
+        model = parallelize_qwen3(Qwen3.Config().build(), ParallelDims(dp_shard=2, ep=2))
         model = parallelize_qwen3(Qwen3.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
@@ -181,8 +191,10 @@ def parallelize_qwen3(model: Qwen3, mesh: DeviceMesh, job_config: object = None)
     return model
 
 
-def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+def _tp_mesh(mesh: DeviceMesh | ParallelDims) -> DeviceMesh | ParallelDims | None:
     """The mesh tensor parallelism runs over (``None``: a data-parallel-only mesh)."""
+    if isinstance(mesh, ParallelDims):
+        return mesh  # each state resolves its own view
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
     if tp_name in names:
@@ -190,18 +202,25 @@ def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return None if axis_name(MeshAxisName.DP_SHARD) in names else mesh
 
 
-def apply_tp(model: Qwen3, mesh: DeviceMesh) -> Qwen3:
-    """Check the head counts divide by the ``tp`` size, then shard as the Configs above declare.
+def apply_tp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
+    """Check the head counts divide by ``tp`` (experts by ``ep``), then shard as declared above.
+
+    One :meth:`Module.parallelize` places every state: dense ones on the dense view, the
+    routed experts on the expert view (``Shard(0)`` on ``ep``) when given a
+    :class:`ParallelDims`.
 
     Example::
 
         apply_tp(Qwen3.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     """
-    names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
-    if tp_name in names:
-        tp = mesh.size(names.index(tp_name))
-        cfg = model.config
+    if isinstance(mesh, ParallelDims):
+        tp: int | None = mesh.tp
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        tp = mesh.size(names.index(tp_name)) if tp_name in names else None
+    cfg = model.config
+    if tp is not None:
         n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
         if cfg.n_heads % tp or n_kv % tp:
             raise ValueError(
@@ -224,23 +243,27 @@ def apply_compile(model: Qwen3) -> Qwen3:
     return model
 
 
-def apply_fsdp(model: Qwen3, mesh: DeviceMesh) -> Qwen3:
-    """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
+def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
+    """``fully_shard`` over the data-parallel axes (``dp_shard``, and ``dp_replicate``: HSDP).
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
     together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
 
     Example::
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-        model = parallelize_qwen3(Qwen3.Config().build(), mesh)   # TP, then FSDP
+        model = parallelize_qwen3(Qwen3.Config().build(), ParallelDims(dp_shard=2, tp=2))
     """
-    names = tuple(mesh.mesh_dim_names or ())
-    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
-    if shard not in names:
-        return model
-    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-    dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    if isinstance(mesh, ParallelDims):
+        if not mesh.fsdp_enabled:
+            return model
+        dp_mesh = mesh.fsdp_mesh
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+        if shard not in names:
+            return model
+        hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+        dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
     fully_shard(model.tok_embeddings, mesh=dp_mesh)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
