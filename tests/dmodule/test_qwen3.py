@@ -77,8 +77,9 @@ def _hf_train(model: Any) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
-        logits = model(tokens).logits
-        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+        logits: torch.Tensor = model(tokens).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -127,9 +128,10 @@ def test_from_hf_refuses_what_qwen3_ref_does_not_compute(tmp_path: Path) -> None
 
 def test_qwen3_is_registered_as_qwen3_ref_spec_with_dense_and_moe_flavors() -> None:
     spec = get_spec("qwen3-ref")
-    assert isinstance(spec.config("debug"), Qwen3.Config)
-    assert spec.config("debug").num_experts == 0 and spec.config("debug-moe").num_experts > 0
-    model = spec.config("debug").replace(n_layers=1).build()
+    dense, moe = spec.config("debug"), spec.config("debug-moe")
+    assert isinstance(dense, Qwen3.Config) and isinstance(moe, Qwen3.Config)
+    assert dense.num_experts == 0 and moe.num_experts > 0
+    model = dense.replace(n_layers=1).build()
     model.verify_module_protocol()
     assert model(torch.randint(0, 256, (2, 8))).shape == (2, 8, 256)
 
