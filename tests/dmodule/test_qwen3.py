@@ -78,8 +78,8 @@ def _hf_train(model: Any) -> None:
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
         logits: torch.Tensor = model(tokens).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+        loss: torch.Tensor = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         optimizer.zero_grad()
 
