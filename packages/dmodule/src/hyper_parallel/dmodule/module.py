@@ -344,6 +344,20 @@ class Module(_PlatformModule, Configurable):
             module._hp_states_on_meta = bool(_states_on_meta(module, recurse=False))
         return self
 
+    def layout_problems(self, layouts: dict[str, tuple[DeviceMesh, list[Placement]]]) -> list[str]:
+        """Hook: what is wrong with the layouts ``parallelize`` resolved for own states (by name).
+
+        Called during planning, on every rank, before anything changes; each problem is
+        reported like a sharding problem. A layer whose math needs more than a valid
+        layout (e.g. whole experts per rank) says so here.
+
+        Example::
+
+            >>> Module().layout_problems({})
+            []
+        """
+        return []
+
     def _apply(self: _M, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _M:
         # torch's _apply swaps a converted wrapper-subclass parameter into the old object
         # (torch.utils.swap_tensors), which drops the Parameter's Python attributes and fails

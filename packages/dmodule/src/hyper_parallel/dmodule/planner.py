@@ -171,6 +171,10 @@ def plan_parallelize(
                 f"block {inside[-1]!r}, whose forward sees local tensors only"
             )
         planner.plan_states(plan, sc)
+        check = getattr(sub, "layout_problems", None)
+        if callable(check) and plan.states:
+            found = check({state.name: (state.mesh, state.placements) for state in plan.states})
+            planner.problems.extend(f"{label}: {problem}" for problem in found)
         plan.forward = planner.plan_forward(sub, path, sc)
         if sc.local_map is not None:
             local_map_roots.append(path)

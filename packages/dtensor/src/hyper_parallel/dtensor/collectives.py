@@ -43,6 +43,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_over",
     "all_to_all",
+    "all_to_all_single",
     "any_rank",
     "broadcast",
     "observe_collectives",
@@ -203,6 +204,29 @@ def all_to_all(
     if async_op:
         return get_platform().all_to_all(stacked, group, async_op=True)
     return get_platform().all_to_all(stacked, group)
+
+
+def all_to_all_single(
+    tensor: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    mesh: DeviceMesh,
+    axis: Axis,
+) -> torch.Tensor:
+    """Rows ``input_split_sizes[i]`` of ``tensor`` go to local rank ``i``; uneven splits along dim 0.
+
+    The result stacks ``output_split_sizes[j]`` rows from each local rank ``j`` in order.
+    Recorded as kind ``"all_to_all"``.
+
+    Example::
+
+        # 2 ranks: rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 0 and 1
+        got = all_to_all_single(x, [1, 0] if rank == 0 else [2, 1], [1, 2] if rank == 0 else [0, 1],
+                                mesh, "ep")
+    """
+    size, group = mesh._size_and_group(axis)
+    _report("all_to_all", tensor, mesh, axis, size)
+    return get_platform().all_to_all_single(tensor, output_split_sizes, input_split_sizes, group)
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:

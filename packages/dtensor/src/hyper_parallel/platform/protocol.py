@@ -125,6 +125,16 @@ class Platform(Protocol):
         """Input slot ``i`` goes to group-rank ``i``; output slot ``j`` came from group-rank ``j``."""
         ...
 
+    def all_to_all_single(
+        self,
+        tensor: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:
+        """Rows ``input_split_sizes[i]`` of ``tensor`` (dim 0) go to group-rank ``i``; uneven splits."""
+        ...
+
     def wait(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values of an ``async_op=True`` result, waited for (any other tensor: itself)."""
         ...

@@ -42,6 +42,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_single",
     "broadcast",
     "default_group_timeout",
     "get_rank",
@@ -595,6 +596,48 @@ def all_to_all(
         return all_gather(source, group)[:, rank].clone()
 
     return _native_or_fallback("all_to_all_single", group, native, fallback)
+
+
+@_reports_lost_peers
+def all_to_all_single(
+    tensor: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    group: ProcessGroup | None,
+) -> torch.Tensor:
+    """Send rows ``input_split_sizes[i]`` of ``tensor`` (dim 0) to group-rank ``i``; uneven splits.
+
+    The result holds ``output_split_sizes[j]`` rows from group-rank ``j``, in group-rank
+    order (the routed tokens of a mixture of experts, for example).
+
+    Example::
+
+        >>> all_to_all_single(torch.arange(3.0), [1, 1], [1, 2], group)  # doctest: +SKIP
+        tensor([0., 10.])  # on rank 0 when rank 1 sent tensor([10., 11., 12.]) as [1, 2]
+    """
+    size, _ = _size_and_rank(group)
+    if len(input_split_sizes) != size or len(output_split_sizes) != size:
+        raise ValueError(
+            f"all_to_all_single: expected {size} input and output split sizes (the group "
+            f"size), found {len(input_split_sizes)} and {len(output_split_sizes)}"
+        )
+    if sum(input_split_sizes) != tensor.shape[0]:
+        raise ValueError(
+            f"all_to_all_single: input split sizes {list(input_split_sizes)} sum to "
+            f"{sum(input_split_sizes)}, but the tensor has {tensor.shape[0]} rows"
+        )
+    source = _physical(tensor)
+    if size == 1:
+        return _dense_copy(source)
+    out = source.new_empty((sum(output_split_sizes), *source.shape[1:]))
+    dist.all_to_all_single(
+        out,
+        source,
+        output_split_sizes=list(output_split_sizes),
+        input_split_sizes=list(input_split_sizes),
+        group=group,
+    )
+    return out
 
 
 @_reports_lost_peers

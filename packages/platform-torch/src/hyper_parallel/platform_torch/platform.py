@@ -102,6 +102,16 @@ class TorchPlatform:
         """Exchange slot ``i`` of every rank's input with group-rank ``i``."""
         return comm.all_to_all(tensor, group, async_op=async_op)
 
+    def all_to_all_single(
+        self,
+        tensor: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:
+        """Send ``input_split_sizes[i]`` rows to group-rank ``i``; receive ``output_split_sizes[j]`` from ``j``."""
+        return comm.all_to_all_single(tensor, output_split_sizes, input_split_sizes, group)
+
     def wait(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values of an ``async_op=True`` result (an ``AsyncCollectiveTensor``), waited for."""
         return comm.wait(tensor)

@@ -1,4 +1,4 @@
-"""TP-ready layers: Linear (column/row parallel), vocab-parallel Embedding, norms, attention, MLP.
+"""TP-ready layers: Linear (column/row parallel), vocab-parallel Embedding, norms, attention, MLP, MoE.
 
 Every layer is a :class:`~hyper_parallel.dmodule.Module` whose Config declares its
 tensor-parallel layout over the ``tp`` mesh axis.
@@ -18,18 +18,32 @@ from hyper_parallel.dmodule.layers.embedding import Embedding
 from hyper_parallel.dmodule.layers.feed_forward import FeedForward
 from hyper_parallel.dmodule.layers.linear import Linear
 from hyper_parallel.dmodule.layers.loss import cross_entropy
+from hyper_parallel.dmodule.layers.moe import (
+    GroupedExperts,
+    MoE,
+    TokenChoiceTopKRouter,
+    expert_sharding,
+    moe_aux_loss,
+    update_load_balance,
+)
 from hyper_parallel.dmodule.layers.norm import LayerNorm, RMSNorm
 
 __all__ = [
     "Attention",
     "Embedding",
     "FeedForward",
+    "GroupedExperts",
     "LayerNorm",
     "Linear",
+    "MoE",
     "RMSNorm",
+    "TokenChoiceTopKRouter",
     "TransformerBlock",
     "apply_rotary",
     "block_sharding",
     "cross_entropy",
+    "expert_sharding",
+    "moe_aux_loss",
     "rotary_tables",
+    "update_load_balance",
 ]

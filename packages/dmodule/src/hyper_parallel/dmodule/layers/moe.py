@@ -1,0 +1,533 @@
+"""Mixture of experts: a token-choice top-k router, SwiGLU grouped experts, and ``MoE`` with expert parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule.layers._common import normal_init
+from hyper_parallel.dmodule.layers.feed_forward import FeedForward
+from hyper_parallel.dmodule.layers.linear import Linear
+from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
+from hyper_parallel.dmodule.sharding import ShardingConfig
+from hyper_parallel.dmodule.types import MeshAxisName
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, collectives
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "TokenChoiceTopKRouter",
+    "expert_sharding",
+    "moe_aux_loss",
+    "update_load_balance",
+]
+
+EP = MeshAxisName.EP
+ETP = "etp"  # not a MeshAxisName member: those are upstream's values
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+def expert_sharding() -> ShardingConfig:
+    """The expert-parallel layout: experts ``Shard(0)`` on ``ep``, hidden units on ``etp``.
+
+    ``w1``/``w3`` (``[E, hidden, dim]``) split their hidden dim over ``etp`` and ``w2``
+    (``[E, dim, hidden]``) its input dim, as a column- then row-parallel pair.
+
+    Example::
+
+        >>> expert_sharding().state_shardings["w2"]
+        {MeshAxisName.EP: Shard(dim=0), 'etp': Shard(dim=2)}
+    """
+    return ShardingConfig(
+        state_shardings={
+            "w1": {EP: Shard(0), ETP: Shard(1)},
+            "w2": {EP: Shard(0), ETP: Shard(2)},
+            "w3": {EP: Shard(0), ETP: Shard(1)},
+        }
+    )
+
+
+class TokenChoiceTopKRouter(Module):
+    """Scores each token against every expert and picks its ``top_k`` (token choice).
+
+    Returns ``(weights, experts, probs)``: the top-k routing weights ``[T, k]`` (float32),
+    the chosen experts ``[T, k]`` and every token's probabilities over all experts
+    ``[T, E]`` (for the auxiliary loss). ``expert_bias`` (aux-loss-free balancing) shifts
+    which experts are chosen, never the weights.
+
+    Example::
+
+        >>> router = TokenChoiceTopKRouter.Config(dim=8, num_experts=4, top_k=2).build()
+        >>> router.init_states()
+        >>> weights, experts, probs = router(torch.randn(5, 8))
+        >>> weights.shape, experts.shape, probs.shape
+        (torch.Size([5, 2]), torch.Size([5, 2]), torch.Size([5, 4]))
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        """``score_func`` softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3).
+
+        ``route_norm`` renormalises the top-k weights to sum to 1 (transformers'
+        ``norm_topk_prob``); ``route_scale`` multiplies them afterwards.
+
+        Example::
+
+            >>> TokenChoiceTopKRouter.Config(num_experts=4, top_k=5).validate()
+            Traceback (most recent call last):
+            ...
+            hyper_parallel.config.errors.ConfigError: top_k: expected at most num_experts (4), found 5
+        """
+
+        dim: int = 64
+        num_experts: int = 8
+        top_k: int = 2
+        score_func: ScoreFunc = "softmax"
+        route_norm: bool = False
+        route_scale: float = 1.0
+
+        def validate(self) -> None:
+            """Sizes are ints >= 1 and ``top_k <= num_experts`` (``score_func`` is checked by its type)."""
+            Module.Config.validate(self)
+            _validate_routing(self)
+
+    def __init__(self, config: TokenChoiceTopKRouter.Config) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = Linear.Config(in_features=config.dim, out_features=config.num_experts).build()
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``x`` of shape ``[T, dim]``: top-k weights, expert ids, all probabilities."""
+        cfg = self.config
+        logits = self.gate(x).float()
+        if cfg.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+        if expert_bias is None:
+            weights, experts = torch.topk(scores, cfg.top_k, dim=-1)
+        else:
+            _, experts = torch.topk(scores + expert_bias, cfg.top_k, dim=-1)
+            weights = scores.gather(-1, experts)
+        if cfg.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.route_scale != 1.0:
+            weights = weights * cfg.route_scale
+        probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return weights, experts, probs
+
+
+def _validate_routing(config: Any) -> None:
+    require_positive(config, "dim", "num_experts", "top_k")
+    if config.top_k > config.num_experts:
+        raise ConfigError(
+            f"expected at most num_experts ({config.num_experts}), found {config.top_k}",
+            path="top_k",
+        )
+    require_positive_float(config, "route_scale")
+
+
+class GroupedExperts(Module):
+    """``num_experts`` SwiGLU experts with stacked weights, run on tokens grouped by expert.
+
+    ``w1``/``w3``: ``[E, hidden, dim]``, ``w2``: ``[E, dim, hidden]`` (each expert's slice is
+    an ``nn.Linear`` weight). The forward takes tokens sorted by expert and the count per
+    expert; it uses ``torch._grouped_mm`` on CUDA in bfloat16 where the strides allow, else
+    one matmul per expert.
+
+    Example::
+
+        >>> experts = GroupedExperts.Config(dim=8, hidden_dim=16, num_experts=2).build()
+        >>> experts.init_states()
+        >>> experts(torch.randn(5, 8), torch.tensor([2, 3])).shape
+        torch.Size([5, 8])
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        """``dim``, ``hidden_dim`` (per expert), ``num_experts``; weights N(0, 0.02).
+
+        Example::
+
+            >>> GroupedExperts.Config().sharding_config.state_shardings["w1"]
+            {MeshAxisName.EP: Shard(dim=0), 'etp': Shard(dim=1)}
+        """
+
+        dim: int = 64
+        hidden_dim: int = 128
+        num_experts: int = 8
+        param_init = {"w1": normal_init, "w2": normal_init, "w3": normal_init}  # noqa: RUF012 - becomes a field
+        sharding_config = expert_sharding()
+
+        def validate(self) -> None:
+            """Sizes are ints >= 1."""
+            Module.Config.validate(self)
+            require_positive(self, "dim", "hidden_dim", "num_experts")
+
+    def __init__(self, config: GroupedExperts.Config) -> None:
+        super().__init__()
+        self.config = config
+        e, h, d = config.num_experts, config.hidden_dim, config.dim
+        self.w1 = torch.nn.Parameter(torch.empty(e, h, d))
+        self.w2 = torch.nn.Parameter(torch.empty(e, d, h))
+        self.w3 = torch.nn.Parameter(torch.empty(e, h, d))
+
+    def layout_problems(self, layouts: dict[str, tuple[DeviceMesh, list[Placement]]]) -> list[str]:
+        """Each rank of ``ep`` must own whole experts: ``num_experts`` divisible by its size."""
+        problems = []
+        for name, (mesh, placements) in sorted(layouts.items()):
+            for axis, placement in zip(mesh.mesh_dim_names or (), placements, strict=False):
+                size = mesh.size(list(mesh.mesh_dim_names or ()).index(axis))
+                uneven = self.config.num_experts % size
+                if isinstance(placement, Shard) and placement.dim == 0 and uneven:
+                    problems.append(
+                        f"{name}: num_experts={self.config.num_experts} is not divisible by "
+                        f"the size of mesh axis {axis!r} ({size}); expected each rank to "
+                        "own the same number of whole experts"
+                    )
+        return problems
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each token by its expert: ``x`` ``[N, dim]`` sorted by expert, ``counts`` ``[E_local]``."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if _grouped_mm_applies(x, w1, w2):
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        outs = []
+        for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
+            h = F.silu(chunk @ w1[e].transpose(0, 1)) * (chunk @ w3[e].transpose(0, 1))
+            outs.append(h @ w2[e].transpose(0, 1))
+        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w2.shape[1])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch's grouped matmul: CUDA kernels, bfloat16, rows a multiple of 16 bytes."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+        return False
+    if not (x.dtype == w1.dtype == w2.dtype == torch.bfloat16):
+        return False
+    size = x.element_size()
+    return all((n * size) % 16 == 0 for n in (w1.shape[1], w1.shape[2]))
+
+
+class MoE(Module):
+    """Router, routed experts (dropless top-k) and optional shared experts, with load balancing.
+
+    Every token reaches each of its ``top_k`` experts (no capacity, nothing dropped) and
+    the outputs are summed with the routing weights, plus ``shared_experts(x)`` when
+    ``shared_hidden_dim > 0``. Parallelized with a :class:`ParallelDims` whose ``ep > 1``,
+    tokens travel to the ranks owning their experts by all-to-all and back.
+
+    Load balancing (both off by default, as transformers' Qwen3-MoE):
+
+    - ``load_balance_coeff``: aux-loss-free balancing (DeepSeek-V3): a per-expert
+      ``expert_bias`` added to the scores for the choice only; the forward counts tokens
+      per expert in ``tokens_per_expert`` and :func:`update_load_balance` (after each
+      optimizer step) moves the bias by ``coeff * sign(mean - count)`` of the global counts.
+    - ``aux_loss_coeff``: the forward keeps ``aux_loss`` =
+      ``coeff * E * sum_e(f_e * P_e)`` (transformers' load-balancing loss, one layer; ``f_e``
+      the share of tokens routed to ``e``, ``P_e`` its mean probability); add
+      :func:`moe_aux_loss` of the model to the training loss.
+
+    Example::
+
+        >>> moe = MoE.Config(dim=8, hidden_dim=16, num_experts=4, top_k=2).build()
+        >>> moe.init_states()
+        >>> moe(torch.randn(2, 3, 8)).shape
+        torch.Size([2, 3, 8])
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        """Routing (as :class:`TokenChoiceTopKRouter`), expert sizes, shared experts, balancing.
+
+        Example::
+
+            >>> MoE.Config(num_experts=4, top_k=2, shared_hidden_dim=32).shared_hidden_dim
+            32
+        """
+
+        dim: int = 64
+        hidden_dim: int = 128
+        num_experts: int = 8
+        top_k: int = 2
+        score_func: ScoreFunc = "softmax"
+        route_norm: bool = False
+        route_scale: float = 1.0
+        shared_hidden_dim: int = 0
+        load_balance_coeff: float | None = None
+        aux_loss_coeff: float = 0.0
+
+        def validate(self) -> None:
+            """Routing as the router's; ``hidden_dim >= 1``; coefficients finite and >= 0."""
+            Module.Config.validate(self)
+            _validate_routing(self)
+            require_positive(self, "hidden_dim")
+            if not isinstance(self.shared_hidden_dim, int) or self.shared_hidden_dim < 0:
+                raise ConfigError(
+                    f"expected an int >= 0 (0: no shared experts), found "
+                    f"{self.shared_hidden_dim!r}",
+                    path="shared_hidden_dim",
+                )
+            if self.load_balance_coeff is not None:
+                require_positive_float(self, "load_balance_coeff")
+            if not (isinstance(self.aux_loss_coeff, (int, float)) and self.aux_loss_coeff >= 0):
+                raise ConfigError(
+                    f"expected a float >= 0 (0: no auxiliary loss), found {self.aux_loss_coeff!r}",
+                    path="aux_loss_coeff",
+                )
+
+    def __init__(self, config: MoE.Config) -> None:
+        super().__init__()
+        self.config = config
+        self.router = TokenChoiceTopKRouter.Config(
+            dim=config.dim,
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            score_func=config.score_func,
+            route_norm=config.route_norm,
+            route_scale=config.route_scale,
+        ).build()
+        self.experts = GroupedExperts.Config(
+            dim=config.dim, hidden_dim=config.hidden_dim, num_experts=config.num_experts
+        ).build()
+        self.shared_experts: FeedForward | None = None
+        if config.shared_hidden_dim > 0:
+            self.shared_experts = FeedForward.Config(
+                dim=config.dim, hidden_dim=config.shared_hidden_dim
+            ).build()
+        self.expert_bias: torch.Tensor | None
+        self.tokens_per_expert: torch.Tensor | None
+        if config.load_balance_coeff is not None:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+            # A per-rank partial sum: update_load_balance sums it over the data ranks.
+            self.register_buffer(
+                "tokens_per_expert", torch.zeros(config.num_experts), persistent=False
+            )
+        else:
+            self.expert_bias = None
+            self.tokens_per_expert = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def _init_self_buffers(self, *, buffer_device: torch.device | str | None = None) -> None:
+        for name in ("expert_bias", "tokens_per_expert"):
+            buf = self._buffers.get(name)
+            if buf is not None:
+                device = buffer_device if buffer_device is not None else buf.device
+                self._buffers[name] = torch.zeros(self.config.num_experts, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route every token of ``x`` (``[..., dim]``) to its top-k experts and combine."""
+        cfg = self.config
+        as_dtensor = x if isinstance(x, DTensor) else None
+        local = _local(x)
+        tokens = local.reshape(-1, cfg.dim)
+        weights, experts, probs = self.router(tokens, _local_or_none(self.expert_bias))
+        counts = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts)
+        if self.tokens_per_expert is not None:
+            with torch.no_grad():
+                _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
+        if cfg.aux_loss_coeff > 0:
+            share = counts.to(probs.dtype) / tokens.shape[0]
+            self.aux_loss = cfg.aux_loss_coeff * cfg.num_experts * (share * probs.mean(0)).sum()
+        # token-expert pairs grouped by expert (stable: a token's copies keep token order)
+        order = torch.argsort(experts.reshape(-1), stable=True)
+        token_of = order // cfg.top_k
+        routed = _run_experts(self.experts, tokens[token_of], counts)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
+        out = out.reshape(local.shape)
+        if as_dtensor is not None:
+            out = DTensor.from_local(out, as_dtensor.device_mesh, as_dtensor.placements)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def _local_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _local(t)
+
+
+def _expert_axes(experts: GroupedExperts) -> tuple[DeviceMesh | None, bool, bool]:
+    """The mesh of the expert weights and whether ``ep`` / ``etp`` split them (size > 1)."""
+    w1 = experts.w1
+    if not isinstance(w1, DTensor):
+        return None, False, False
+    mesh = w1.device_mesh
+    names = mesh.mesh_dim_names or ()
+    ep = EP in names and mesh.size(names.index(EP)) > 1
+    etp = ETP in names and mesh.size(names.index(ETP)) > 1
+    return mesh, ep, etp
+
+
+def _run_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The experts' outputs for ``x`` grouped by expert (``counts`` per global expert).
+
+    Under expert parallelism: one all-to-all of the counts, one of the tokens to the ranks
+    owning their experts, the experts there, and one all-to-all back; with ``etp`` the
+    hidden units are split over its ranks and the partial outputs summed.
+    """
+    mesh, ep, etp = _expert_axes(experts)
+    if mesh is None or not (ep or etp):
+        plain: torch.Tensor = experts(x, counts)
+        return plain
+    if not ep:
+        summed: torch.Tensor = _SumForward.apply(experts(_SumBackward.apply(x, mesh), counts), mesh)
+        return summed
+    ep_size = mesh.size(list(mesh.mesh_dim_names or ()).index(EP))
+    local_experts = counts.shape[0] // ep_size
+    send_counts = counts.reshape(ep_size, local_experts)
+    # [source rank, local expert]: how many tokens each rank sends to each of my experts
+    recv_counts = collectives.all_to_all(send_counts, mesh, EP)
+    send_splits = send_counts.sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = _AllToAll.apply(x, recv_splits, send_splits, mesh)
+    # received rows are (source rank, local expert)-major: regroup them expert-major
+    by_expert = _group_by_expert(recv_counts)
+    grouped = received[by_expert]
+    if etp:
+        grouped = _SumBackward.apply(grouped, mesh)
+    out = experts(grouped, recv_counts.sum(0))
+    if etp:
+        out = _SumForward.apply(out, mesh)
+    inverse = torch.empty_like(by_expert)
+    inverse[by_expert] = torch.arange(by_expert.numel())
+    back = out[inverse]
+    returned: torch.Tensor = _AllToAll.apply(back, send_splits, recv_splits, mesh)
+    return returned
+
+
+def _group_by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Row indices that reorder (source, expert)-major chunks of ``recv_counts`` expert-major."""
+    sources, local_experts = recv_counts.shape
+    sizes = recv_counts.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    chunk_order = torch.arange(sources * local_experts).reshape(sources, local_experts).t()
+    chunk_order = chunk_order.reshape(-1)
+    pieces = [
+        torch.arange(int(starts[c]), int(starts[c]) + int(sizes[c])) for c in chunk_order.tolist()
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all-to-all of rows over ``ep``; the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], mesh: DeviceMesh
+    ) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits)
+        ctx.mesh = mesh
+        return collectives.all_to_all_single(x, out_splits, in_splits, mesh, EP)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits
+        back = collectives.all_to_all_single(grad.contiguous(), in_splits, out_splits, ctx.mesh, EP)
+        return back, None, None, None
+
+
+class _SumForward(torch.autograd.Function):
+    """Partial sums over ``etp`` made whole; the gradient, already whole, passes through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return collectives.all_reduce(x, mesh, ETP, "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    """Identity forward; the gradient, a partial sum over ``etp`` (one hidden shard each), summed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return collectives.all_reduce(grad, ctx.mesh, ETP, "sum"), None
+
+
+def _moe_layers(model: torch.nn.Module) -> Iterator[MoE]:
+    for module in model.modules():
+        if isinstance(module, MoE):
+            yield module
+
+
+def moe_aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
+    """The sum of every ``MoE`` layer's auxiliary loss from the last forward (None: none kept).
+
+    Example::
+
+        >>> moe = MoE.Config(dim=8, hidden_dim=16, num_experts=4, aux_loss_coeff=0.01).build()
+        >>> moe.init_states()
+        >>> _ = moe(torch.randn(3, 8))
+        >>> moe_aux_loss(moe).shape
+        torch.Size([])
+    """
+    losses = [m.aux_loss for m in _moe_layers(model) if m.aux_loss is not None]
+    if not losses:
+        return None
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total
+
+
+def update_load_balance(
+    model: torch.nn.Module, mesh: DeviceMesh | ParallelDims | None = None
+) -> None:
+    """Move each ``MoE`` layer's ``expert_bias`` toward balance from the global token counts.
+
+    Call it after each optimizer step. ``tokens_per_expert`` holds this rank's counts since
+    the last call (a partial sum): they are summed over every axis of ``mesh`` (a
+    :class:`ParallelDims` means its ``loss`` view, the ranks that route different tokens;
+    None: one process). Then ``expert_bias += coeff * sign(mean - count)`` (centred), and
+    the counts restart from zero. Every rank ends with the same bias.
+
+    Example::
+
+        >>> moe = MoE.Config(dim=8, hidden_dim=16, num_experts=4, load_balance_coeff=1e-3).build()
+        >>> moe.init_states()
+        >>> _ = moe(torch.randn(3, 8))
+        >>> update_load_balance(moe)
+        >>> float(moe.tokens_per_expert.sum())
+        0.0
+    """
+    layers = [m for m in _moe_layers(model) if m.tokens_per_expert is not None]
+    if not layers:
+        return
+    if isinstance(mesh, ParallelDims):
+        mesh = mesh.loss_mesh
+    counts = torch.stack([_local(m.tokens_per_expert) for m in layers])  # type: ignore[arg-type]
+    if mesh is not None:
+        axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
+        counts = collectives.all_reduce_over(counts, mesh, axes, "sum")
+    with torch.no_grad():
+        for layer, count in zip(layers, counts, strict=True):
+            coeff = layer.config.load_balance_coeff
+            assert coeff is not None and layer.expert_bias is not None
+            delta = coeff * torch.sign(count.mean() - count)
+            _local(layer.expert_bias).add_(delta - delta.mean())
+            _local(layer.tokens_per_expert).zero_()  # type: ignore[arg-type]
