@@ -18,6 +18,7 @@ from hyper_parallel.dmodule._checks import require_positive, require_positive_fl
 from hyper_parallel.dmodule.layers import (
     FeedForward,
     Linear,
+    MoE,
     RMSNorm,
     apply_rotary,
     block_sharding,
@@ -186,7 +187,7 @@ class Qwen3Block(Module):
         """
 
         attention: Qwen3Attention.Config = Qwen3Attention.Config()  # noqa: RUF009 - copied per instance
-        feed_forward: FeedForward.Config = FeedForward.Config()  # noqa: RUF009 - copied per instance
+        feed_forward: FeedForward.Config | MoE.Config = FeedForward.Config()  # noqa: RUF009 - copied per instance
         attention_norm: RMSNorm.Config = RMSNorm.Config()  # noqa: RUF009 - copied per instance
         ffn_norm: RMSNorm.Config = RMSNorm.Config()  # noqa: RUF009 - copied per instance
 

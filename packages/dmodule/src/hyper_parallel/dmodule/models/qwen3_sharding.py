@@ -28,14 +28,24 @@ Example::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
+
+import torch
 
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpoint_mode,
 )
-from hyper_parallel.dmodule.layers import Embedding, FeedForward, Linear, RMSNorm, block_sharding
+from hyper_parallel.dmodule.layers import (
+    Embedding,
+    FeedForward,
+    Linear,
+    MoE,
+    RMSNorm,
+    block_sharding,
+)
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
@@ -129,6 +139,29 @@ def feed_forward_config(config: Qwen3.Config) -> FeedForward.Config:
     )
 
 
+def moe_config(config: Qwen3.Config) -> MoE.Config:
+    """The MoE blocks' mixture of experts: routed experts ``Shard(0)`` on ``ep`` (``etp``:
+    hidden units split), the router replicated; transformers' routing (softmax, top-k,
+    ``route_norm``), load balancing only as the config asks.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> moe_config(Qwen3.Config(num_experts=8, top_k=2)).top_k
+        2
+    """
+    return MoE.Config(
+        dim=config.dim,
+        hidden_dim=config.moe_ffn_dim,
+        num_experts=config.num_experts,
+        top_k=config.top_k,
+        score_func="softmax",
+        route_norm=config.route_norm,
+        load_balance_coeff=config.load_balance_coeff,
+        aux_loss_coeff=config.aux_loss_coeff,
+    )
+
+
 def block_config(config: Qwen3.Config, layer: int) -> Qwen3Block.Config:
     """Block ``layer``: norm, attention, norm, then the dense MLP or the MoE.
 
@@ -143,7 +176,9 @@ def block_config(config: Qwen3.Config, layer: int) -> Qwen3Block.Config:
         attention_norm=norm,
         attention=attention_config(config),
         ffn_norm=norm.replace(),
-        feed_forward=feed_forward_config(config),
+        feed_forward=moe_config(config)
+        if config.is_moe_layer(layer)
+        else feed_forward_config(config),
     )
 
 
@@ -264,9 +299,47 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
             return model
         hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
         dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    expert_params = _expert_parameters(model, mesh)
+    expert_ids = {id(p) for p in expert_params}
     fully_shard(model.tok_embeddings, mesh=dp_mesh)
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
+        # the routed experts stay on the expert view (their FSDP, over efsdp, is ep's business)
+        mine = {p for p in layer.parameters() if id(p) in expert_ids}
+        fully_shard(layer, mesh=dp_mesh, ignored_params=mine or None)
     fully_shard([model.norm, model.output], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None)
     return model
+
+
+def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[torch.nn.Parameter]:
+    """The routed experts' parameters under EP, each gradient made a mean over the loss ranks.
+
+    Each rank owns whole experts (``efsdp`` of 1: no data-parallel copy of an expert), and
+    the all-to-all's backward hands it the gradient of every rank's tokens: the sum over
+    the loss ranks of their mean losses' gradients. Divided by their number, it is the
+    gradient of the mean loss, as FSDP's average makes the dense ones.
+    """
+    if not isinstance(mesh, ParallelDims) or not mesh.ep_enabled:
+        return set()
+    if mesh.efsdp > 1 or mesh.dp_replicate > 1:
+        raise ValueError(
+            f"parallelize_qwen3: ep={mesh.ep} with efsdp={mesh.efsdp} and "
+            f"dp_replicate={mesh.dp_replicate}: qwen3-ref runs expert parallelism where "
+            "each expert lives on one rank (ep = dp_shard * cp); expected efsdp=1 and "
+            "dp_replicate=1"
+        )
+    factor = float(mesh.dp * mesh.cp)
+    params: set[torch.nn.Parameter] = set()
+    for layer in model.layers:
+        experts = getattr(layer.feed_forward, "experts", None)
+        if experts is None:
+            continue
+        for param in experts.parameters():
+            param.register_post_accumulate_grad_hook(partial(_divide_grad, factor=factor))
+            params.add(param)
+    return params
+
+
+def _divide_grad(param: torch.Tensor, *, factor: float) -> None:
+    if param.grad is not None:
+        param.grad.div_(factor)
