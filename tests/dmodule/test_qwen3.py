@@ -23,6 +23,7 @@ from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.checkpoint import load_hf, save_hf
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.models.qwen3 import Qwen3
+from hyper_parallel.dmodule.models.qwen3_hf import Qwen3StateDictAdapter
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dtensor import DTensor
 
@@ -71,17 +72,40 @@ def _hf_logits(model: Any, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
         return model(tokens).logits.float()  # type: ignore[no-any-return]
 
 
-def _hf_train(model: Any) -> None:
-    """transformers' model, STEPS AdamW steps on the global batch in this process."""
+def _hf_train(model: Any) -> dict[str, torch.Tensor]:
+    """transformers' model, STEPS AdamW steps on the global batch; the first step's gradients."""
     model.train()
+    first: dict[str, torch.Tensor] = {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
         logits: torch.Tensor = model(tokens).logits
         loss: torch.Tensor = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()  # type: ignore[no-untyped-call]
+        if step == 0:
+            first = _hub_layout({n: p.grad for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
+    return first
+
+
+def _hub_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's in-memory tensors in the Hub's names (its fused experts split)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = value.chunk(2, dim=1)
+            prefix = name.removesuffix("gate_up_proj")
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}{e}.up_proj.weight"] = up[e]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
 
 
 def _read_dir(directory: Path) -> dict[str, torch.Tensor]:
@@ -161,9 +185,12 @@ def _train_parallel(directory: str, out: str, degrees: dict[str, int]) -> dict[s
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
         model.loss(tokens[rows], targets[rows]).backward()
-        grads = [p.grad for p in model.parameters()]
+        grads = {name: p.grad for name, p in model.named_parameters()}
         result.setdefault("grads_are_dtensors", True)
-        result["grads_are_dtensors"] &= all(isinstance(g, DTensor) for g in grads)
+        result["grads_are_dtensors"] &= all(isinstance(g, DTensor) for g in grads.values())
+        if step == 0:  # the whole gradient of the global batch's mean loss, in the Hub's names
+            full = {k: g.full_tensor() for k, g in grads.items() if isinstance(g, DTensor)}
+            result["grads"] = Qwen3StateDictAdapter(model.config).to_hf(full)
         optimizer.step()
         optimizer.zero_grad()
     save_hf(model, out, max_shard_bytes=16 * 1024)
@@ -180,7 +207,11 @@ def _check_training(tmp_path: Path, hf_config: Any, degrees: dict[str, int]) -> 
     for found in results:
         assert_close_to_scale(found["logits"], want_logits, rel=1e-5, what="loaded logits")
         assert found["grads_are_dtensors"]
-    _hf_train(hf)
+    want_grads = _hf_train(hf)
+    for found in results:
+        assert sorted(found["grads"]) == sorted(want_grads)
+        for key, want in want_grads.items():
+            assert_close_to_scale(found["grads"][key], want, rel=1e-5, what=f"{key}.grad")
     hf.save_pretrained(tmp_path / "hf-trained")
     ours, theirs = _read_dir(tmp_path / "ours"), _read_dir(tmp_path / "hf-trained")
     assert sorted(ours) == sorted(theirs)
@@ -195,3 +226,89 @@ def test_dense_tp2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> N
     assert wq == (16, 16)  # this rank's 2 of 4 query heads (head_dim 8): a slice, not the whole
     config_json = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config_json["model_type"] == "qwen3" and config_json["head_dim"] == 8
+
+
+# -- Qwen3-MoE -----------------------------------------------------------------------------
+def _moe_hf_config(**changes: Any) -> Any:
+    fields: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 16,
+        "intermediate_size": 40,
+        "moe_intermediate_size": 12,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 16,
+        "mlp_only_layers": [0],  # layer 0 a dense MLP, layer 1 the experts
+        "tie_word_embeddings": False,
+    }
+    return transformers.Qwen3MoeConfig(**(fields | changes))
+
+
+def test_moe_blocks_sit_where_transformers_puts_them(tmp_path: Path) -> None:
+    hf_config = _moe_hf_config(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])
+    hf_config.save_pretrained(tmp_path)
+    theirs = [hasattr(layer.mlp, "experts") for layer in _hf_model(hf_config).model.layers]
+    model = Qwen3.Config.from_hf(tmp_path).build()
+    ours = [hasattr(layer.feed_forward, "experts") for layer in model.layers]
+    assert ours == theirs == [False, True, False, False, False]
+
+
+def test_load_hf_moe_one_process_gives_transformers_logits(tmp_path: Path) -> None:
+    hf = _hf_model(_moe_hf_config(norm_topk_prob=True))
+    hf.save_pretrained(tmp_path)
+    config = Qwen3.Config.from_hf(tmp_path)
+    assert (config.num_experts, config.top_k, config.moe_ffn_dim) == (4, 2, 12)
+    assert config.route_norm and config.load_balance_coeff is None and config.aux_loss_coeff == 0
+    model = config.build()
+    load_hf(model, tmp_path)
+    with torch.no_grad():
+        assert_close_to_scale(model(TOKENS), _hf_logits(hf.eval()), rel=1e-5, what="logits")
+    # routed experts, and nothing else, carry "experts" in their names
+    experts = sorted(n for n, _ in model.named_parameters() if "experts" in n)
+    assert experts == [f"layers.1.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
+
+
+def test_from_hf_reads_num_experts_as_the_hub_and_transformers_5_spell_it(
+    tmp_path: Path,
+) -> None:
+    _moe_hf_config().save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["num_local_experts"] == 4  # what transformers 5.x writes
+    written["num_experts"] = written.pop("num_local_experts")  # what the Hub's configs say
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert Qwen3.Config.from_hf(tmp_path).num_experts == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_experts": 8}, "num_experts: checkpoint 8, model 4"),
+        ({"moe_intermediate_size": 20}, "moe_intermediate_size: checkpoint 20, model 12"),
+    ],
+    ids=["expert-count", "moe-intermediate-size"],
+)
+def test_load_hf_refuses_another_expert_layout_before_loading(
+    tmp_path: Path, change: dict[str, int], message: str
+) -> None:
+    _hf_model(_moe_hf_config(**change)).save_pretrained(tmp_path / "hf")
+    _moe_hf_config().save_pretrained(tmp_path / "cfg")
+    model = Qwen3.Config.from_hf(tmp_path / "cfg").build()
+    model.init_weights()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="nothing was loaded") as info:
+        load_hf(model, tmp_path / "hf")
+    assert message in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_moe_ep2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> None:
+    results = _check_training(tmp_path, _moe_hf_config(), {"dp_shard": 2, "ep": 2})
+    for found in results:  # each rank read and holds 2 of the 4 experts
+        assert found["local_shapes"]["layers.1.feed_forward.experts.w1"] == (2, 12, 16)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "ours")
+    assert type(loaded) is transformers.Qwen3MoeConfig
+    assert (loaded.num_experts, loaded.mlp_only_layers) == (4, [0])

@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from functools import partial
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -328,18 +328,32 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
             "each expert lives on one rank (ep = dp_shard * cp); expected efsdp=1 and "
             "dp_replicate=1"
         )
-    factor = float(mesh.dp * mesh.cp)
     params: set[torch.nn.Parameter] = set()
     for layer in model.layers:
         experts = getattr(layer.feed_forward, "experts", None)
         if experts is None:
             continue
-        for param in experts.parameters():
-            param.register_post_accumulate_grad_hook(partial(_divide_grad, factor=factor))
-            params.add(param)
+        # on the module, not on the parameters: to_empty and load replace those
+        experts.register_forward_pre_hook(_GradMean(float(mesh.dp * mesh.cp)))
+        params.update(experts.parameters())
     return params
 
 
-def _divide_grad(param: torch.Tensor, *, factor: float) -> None:
-    if param.grad is not None:
-        param.grad.div_(factor)
+class _GradMean:
+    """Forward pre-hook: each parameter the module holds gets its gradient divided, once."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        # by identity (tensors compare by value); a weak reference tells a reused id apart
+        self.hooked: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def __call__(self, module: torch.nn.Module, args: object) -> None:
+        for param in module.parameters(recurse=False):
+            seen = self.hooked.get(id(param))
+            if seen is None or seen() is not param:
+                param.register_post_accumulate_grad_hook(self._divide)
+                self.hooked[id(param)] = weakref.ref(param)
+
+    def _divide(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            param.grad.div_(self.factor)
