@@ -351,7 +351,7 @@ class _GradMean:
         for param in module.parameters(recurse=False):
             seen = self.hooked.get(id(param))
             if seen is None or seen() is not param:
-                param.register_post_accumulate_grad_hook(self._divide)
+                param.register_post_accumulate_grad_hook(self._divide)  # type: ignore[no-untyped-call]
                 self.hooked[id(param)] = weakref.ref(param)
 
     def _divide(self, param: torch.Tensor) -> None:
