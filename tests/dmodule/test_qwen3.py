@@ -312,3 +312,35 @@ def test_moe_ep2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> Non
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "ours")
     assert type(loaded) is transformers.Qwen3MoeConfig
     assert (loaded.num_experts, loaded.mlp_only_layers) == (4, [0])
+
+
+def _parallelize_refusals() -> dict[str, str]:
+    """Each bad layout's error, with whether the model was left as it was."""
+    torch.set_num_threads(1)
+    tiny = {"vocab_size": VOCAB, "dim": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 8}
+    cases = {
+        "experts-not-dividing-ep": (Qwen3.Config(num_experts=3, top_k=1, **tiny), {"ep": 2}),
+        "heads-not-dividing-tp": (
+            Qwen3.Config(**(tiny | {"n_heads": 3, "n_kv_heads": 3, "dim": 24})),
+            {"tp": 2},
+        ),
+    }
+    found: dict[str, str] = {}
+    for name, (config, degrees) in cases.items():
+        model = config.build()
+        try:
+            get_spec("qwen3-ref").parallelize_fn(model, ParallelDims(dp_shard=-1, **degrees))  # type: ignore[misc]
+        except ValueError as error:
+            untouched = not any(isinstance(p, DTensor) for p in model.parameters())
+            found[name] = f"{error} | untouched={untouched}"
+    return found
+
+
+def test_parallelize_refuses_bad_layouts_on_every_rank_and_changes_nothing() -> None:
+    for found in run_on_ranks(_parallelize_refusals, 2, timeout_s=240):
+        assert (
+            "num_experts=3 is not divisible by the size of mesh axis 'ep' (2)"
+            in found["experts-not-dividing-ep"]
+        )
+        assert "n_heads (3)" in found["heads-not-dividing-tp"]
+        assert all(message.endswith("untouched=True") for message in found.values())

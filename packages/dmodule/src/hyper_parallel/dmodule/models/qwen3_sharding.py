@@ -216,6 +216,7 @@ def parallelize_qwen3(
         model = parallelize_qwen3(Qwen3.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
+    _check_expert_layout(mesh)
     tp_mesh = _tp_mesh(mesh)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
@@ -311,30 +312,38 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
     return model
 
 
+def _check_expert_layout(mesh: DeviceMesh | ParallelDims) -> None:
+    """EP here keeps each expert on one rank: no data-parallel copies of an expert."""
+    if (
+        isinstance(mesh, ParallelDims)
+        and mesh.ep_enabled
+        and (mesh.efsdp > 1 or mesh.dp_replicate > 1)
+    ):
+        raise ValueError(
+            f"parallelize_qwen3: ep={mesh.ep} with efsdp={mesh.efsdp} and "
+            f"dp_replicate={mesh.dp_replicate}: qwen3-ref runs expert parallelism with "
+            "each expert on one rank; expected efsdp=1 and dp_replicate=1 (ep = dp_shard * cp)"
+        )
+
+
 def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[torch.nn.Parameter]:
     """The routed experts' parameters under EP, each gradient made a mean over the loss ranks.
 
     Each rank owns whole experts (``efsdp`` of 1: no data-parallel copy of an expert), and
-    the all-to-all's backward hands it the gradient of every rank's tokens: the sum over
-    the loss ranks of their mean losses' gradients. Divided by their number, it is the
-    gradient of the mean loss, as FSDP's average makes the dense ones.
+    the all-to-all's backward hands it the gradient of the tokens of every rank of ``ep``:
+    the sum of their mean losses' gradients. Divided by ``ep``, it is the gradient of the
+    mean loss, as FSDP's average makes the dense ones.
     """
     if not isinstance(mesh, ParallelDims) or not mesh.ep_enabled:
         return set()
-    if mesh.efsdp > 1 or mesh.dp_replicate > 1:
-        raise ValueError(
-            f"parallelize_qwen3: ep={mesh.ep} with efsdp={mesh.efsdp} and "
-            f"dp_replicate={mesh.dp_replicate}: qwen3-ref runs expert parallelism where "
-            "each expert lives on one rank (ep = dp_shard * cp); expected efsdp=1 and "
-            "dp_replicate=1"
-        )
+    _check_expert_layout(mesh)
     params: set[torch.nn.Parameter] = set()
     for layer in model.layers:
         experts = getattr(layer.feed_forward, "experts", None)
         if experts is None:
             continue
         # on the module, not on the parameters: to_empty and load replace those
-        experts.register_forward_pre_hook(_GradMean(float(mesh.dp * mesh.cp)))
+        experts.register_forward_pre_hook(_GradMean(float(mesh.ep)))
         params.update(experts.parameters())
     return params
 
