@@ -22,7 +22,7 @@ from tests._tolerance import assert_close_to_scale
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.checkpoint import load_hf, save_hf
 from hyper_parallel.dmodule.model_spec import get_spec
-from hyper_parallel.dmodule.models.qwen3 import Qwen3
+from hyper_parallel.dmodule.models.qwen3 import Qwen3, parallelize_qwen3
 from hyper_parallel.dmodule.models.qwen3_hf import Qwen3StateDictAdapter
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dtensor import DTensor
@@ -305,10 +305,19 @@ def test_load_hf_refuses_another_expert_layout_before_loading(
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_moe_ep2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> None:
-    results = _check_training(tmp_path, _moe_hf_config(), {"dp_shard": 2, "ep": 2})
-    for found in results:  # each rank read and holds 2 of the 4 experts
-        assert found["local_shapes"]["layers.1.feed_forward.experts.w1"] == (2, 12, 16)
+@pytest.mark.parametrize(
+    "degrees",
+    [{"dp_shard": 2, "ep": 2}, {"dp_shard": 2}],
+    ids=["ep2-experts-split", "fsdp2-experts-replicated"],
+)
+def test_moe_loads_trains_and_saves_like_transformers(
+    tmp_path: Path, degrees: dict[str, int]
+) -> None:
+    results = _check_training(tmp_path, _moe_hf_config(), degrees)
+    experts_per_rank = 4 // degrees.get("ep", 1)
+    for found in results:  # under ep=2 each rank read and holds 2 of the 4 experts
+        shape = found["local_shapes"]["layers.1.feed_forward.experts.w1"]
+        assert shape == (experts_per_rank, 12, 16)
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "ours")
     assert type(loaded) is transformers.Qwen3MoeConfig
     assert (loaded.num_experts, loaded.mlp_only_layers) == (4, [0])
@@ -317,19 +326,19 @@ def test_moe_ep2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> Non
 def _parallelize_refusals() -> dict[str, str]:
     """Each bad layout's error, with whether the model was left as it was."""
     torch.set_num_threads(1)
-    tiny = {"vocab_size": VOCAB, "dim": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 8}
+    experts = Qwen3.Config(
+        vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=8, num_experts=3, top_k=1
+    )
+    heads = Qwen3.Config(vocab_size=VOCAB, dim=24, n_layers=1, n_heads=3, n_kv_heads=3)
     cases = {
-        "experts-not-dividing-ep": (Qwen3.Config(num_experts=3, top_k=1, **tiny), {"ep": 2}),
-        "heads-not-dividing-tp": (
-            Qwen3.Config(**(tiny | {"n_heads": 3, "n_kv_heads": 3, "dim": 24})),
-            {"tp": 2},
-        ),
+        "experts-not-dividing-ep": (experts, {"ep": 2}),
+        "heads-not-dividing-tp": (heads, {"tp": 2}),
     }
     found: dict[str, str] = {}
     for name, (config, degrees) in cases.items():
         model = config.build()
         try:
-            get_spec("qwen3-ref").parallelize_fn(model, ParallelDims(dp_shard=-1, **degrees))  # type: ignore[misc]
+            parallelize_qwen3(model, ParallelDims(dp_shard=-1, **degrees))
         except ValueError as error:
             untouched = not any(isinstance(p, DTensor) for p in model.parameters())
             found[name] = f"{error} | untouched={untouched}"

@@ -50,7 +50,7 @@ from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
-from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
 from hyper_parallel.dtensor.fsdp import fully_shard
 
 if TYPE_CHECKING:  # annotations only: qwen3.py imports this file to build its parts
@@ -313,46 +313,54 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
 
 
 def _check_expert_layout(mesh: DeviceMesh | ParallelDims) -> None:
-    """EP here keeps each expert on one rank: no data-parallel copies of an expert."""
-    if (
-        isinstance(mesh, ParallelDims)
-        and mesh.ep_enabled
-        and (mesh.efsdp > 1 or mesh.dp_replicate > 1)
-    ):
+    """Qwen3's attention has no context-parallel form: refuse ``cp > 1`` before anything changes."""
+    if isinstance(mesh, ParallelDims) and mesh.cp > 1:
         raise ValueError(
-            f"parallelize_qwen3: ep={mesh.ep} with efsdp={mesh.efsdp} and "
-            f"dp_replicate={mesh.dp_replicate}: qwen3-ref runs expert parallelism with "
-            "each expert on one rank; expected efsdp=1 and dp_replicate=1 (ep = dp_shard * cp)"
+            f"parallelize_qwen3: cp={mesh.cp}: Qwen3Attention has no context parallelism; "
+            "expected cp=1"
         )
 
 
 def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[torch.nn.Parameter]:
-    """The routed experts' parameters under EP, each gradient made a mean over the loss ranks.
+    """The routed experts' parameters (kept out of FSDP), each gradient made the global mean.
 
-    Each rank owns whole experts (``efsdp`` of 1: no data-parallel copy of an expert), and
-    the all-to-all's backward hands it the gradient of the tokens of every rank of ``ep``:
-    the sum of their mean losses' gradients. Divided by ``ep``, it is the gradient of the
-    mean loss, as FSDP's average makes the dense ones.
+    An expert's gradient on a rank is the sum of the mean losses' gradients of the ranks
+    whose tokens reached it: every rank of ``ep`` (the all-to-all's backward brings them
+    back). Summed over the expert's copies (``efsdp`` and ``dp_replicate``) and divided by
+    the ranks it then counts, it is the gradient of the global batch's mean loss, as
+    FSDP's average makes the dense ones.
     """
-    if not isinstance(mesh, ParallelDims) or not mesh.ep_enabled:
+    if not isinstance(mesh, ParallelDims):
+        return set()
+    found = (getattr(layer.feed_forward, "experts", None) for layer in model.layers)
+    experts: list[torch.nn.Module] = [e for e in found if isinstance(e, torch.nn.Module)]
+    if not experts:
         return set()
     _check_expert_layout(mesh)
+    copies = [
+        axis
+        for axis, size in (("dp_replicate", mesh.dp_replicate), ("efsdp", mesh.efsdp))
+        if size > 1
+    ]
+    mean = _GradMean(
+        mesh.get_mesh(tuple(copies)) if copies else None,
+        tuple(copies),
+        float(mesh.ep * mesh.efsdp * mesh.dp_replicate),
+    )
     params: set[torch.nn.Parameter] = set()
-    for layer in model.layers:
-        experts = getattr(layer.feed_forward, "experts", None)
-        if experts is None:
-            continue
+    for module in experts:
         # on the module, not on the parameters: to_empty and load replace those
-        experts.register_forward_pre_hook(_GradMean(float(mesh.ep)))
-        params.update(experts.parameters())
+        module.register_forward_pre_hook(mean)
+        params.update(module.parameters())
     return params
 
 
 class _GradMean:
-    """Forward pre-hook: each parameter the module holds gets its gradient divided, once."""
+    """Forward pre-hook: the module's parameters get their gradients summed over the
+    expert's copies and divided, once each parameter."""
 
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
+    def __init__(self, mesh: DeviceMesh | None, axes: tuple[str, ...], factor: float) -> None:
+        self.mesh, self.axes, self.factor = mesh, axes, factor
         # by identity (tensors compare by value); a weak reference tells a reused id apart
         self.hooked: dict[int, weakref.ref[torch.Tensor]] = {}
 
@@ -360,9 +368,14 @@ class _GradMean:
         for param in module.parameters(recurse=False):
             seen = self.hooked.get(id(param))
             if seen is None or seen() is not param:
-                param.register_post_accumulate_grad_hook(self._divide)  # type: ignore[no-untyped-call]
+                param.register_post_accumulate_grad_hook(self._reduce)  # type: ignore[no-untyped-call]
                 self.hooked[id(param)] = weakref.ref(param)
 
-    def _divide(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            param.grad.div_(self.factor)
+    def _reduce(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if self.mesh is not None:
+            local.copy_(collectives.all_reduce_over(local, self.mesh, self.axes, "sum"))
+        local.div_(self.factor)
