@@ -45,7 +45,12 @@ class StateDictAdapter(Protocol):
 
     ``to_hf``/``from_hf`` map dicts whose values pass through unchanged (so that
     ``load_hf`` can read each rank's slice of each tensor on its own). An adapter may also
-    have ``hf_config() -> dict``, the ``config.json`` that ``save_hf`` writes by default.
+    have ``hf_config() -> dict``, the ``config.json`` that ``save_hf`` writes by default;
+    ``hf_stacks(fqns) -> {fqn: [hf_key, ...]}``, our tensors that are several Hugging Face
+    tensors stacked along dim 0 (per-expert weights; ``load_hf`` reads only a rank's own
+    rows, ``save_hf`` writes one tensor per row); and ``hf_config_problems(config_json) ->
+    [str]``, how a checkpoint's ``config.json`` disagrees with the model (``load_hf``
+    refuses it, naming them).
     """
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:

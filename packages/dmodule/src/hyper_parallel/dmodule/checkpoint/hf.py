@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +53,46 @@ def _adapter(model: torch.nn.Module, adapter: StateDictAdapter | None) -> StateD
     return built
 
 
-def _hf_names(model: torch.nn.Module, adapter: StateDictAdapter) -> dict[str, str]:
-    """Our FQN -> Hugging Face key, found by passing the state dict's own tensors through the adapter."""
+@dataclass(frozen=True)
+class _Source:
+    """Where one of our tensors lives in a Hugging Face checkpoint."""
+
+    keys: tuple[str, ...]  # the Hugging Face keys
+    stacked: bool  # True: keys[e] holds our tensor's [e] (per-expert weights stacked on dim 0)
+
+
+def _hf_layout(model: torch.nn.Module, adapter: StateDictAdapter) -> dict[str, _Source]:
+    """Our FQN -> its Hugging Face key(s), from the adapter.
+
+    Stacked tensors come from the adapter's optional ``hf_stacks(fqns)``; every other key
+    is found by passing the state dict's own tensors through ``to_hf``.
+    """
     state = model.state_dict()
-    by_id = {id(v): k for k, v in state.items()}
-    names: dict[str, str] = {}
-    for hf_key, value in adapter.to_hf(dict(state)).items():
+    hf_stacks = getattr(adapter, "hf_stacks", None)
+    stacks: dict[str, list[str]] = hf_stacks(list(state)) if callable(hf_stacks) else {}
+    layout = {fqn: _Source(tuple(keys), stacked=True) for fqn, keys in stacks.items()}
+    rest = {k: v for k, v in state.items() if k not in stacks}
+    by_id = {id(v): k for k, v in rest.items()}
+    for hf_key, value in adapter.to_hf(rest).items():
         fqn = by_id.get(id(value))
         if fqn is None:
             raise ValueError(
                 f"load_hf/save_hf: the adapter's to_hf changed the value of {hf_key!r}; only "
-                "adapters that rename keys (values unchanged) can be read slice by slice"
+                "adapters that rename keys (values unchanged) can be read slice by slice; "
+                "stacked tensors are declared by the adapter's hf_stacks(fqns)"
             )
-        names[fqn] = hf_key
-    return names
+        layout[fqn] = _Source((hf_key,), stacked=False)
+    return layout
+
+
+def _config_problems(root: Path, adapter: StateDictAdapter) -> list[str]:
+    """The adapter's ``hf_config_problems(config.json)``: layout fields that disagree."""
+    check = getattr(adapter, "hf_config_problems", None)
+    path = root / "config.json"
+    if not callable(check) or not path.is_file():
+        return []
+    problems: list[str] = check(json.loads(path.read_text()))
+    return problems
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -103,7 +130,9 @@ def load_hf(
     Each rank reads only the slices its shards hold; values are cast to the model's
     dtype. Every key and shape is checked before anything is copied; a tied
     ``lm_head`` (absent from the files) is read from the embedding. ``adapter``
-    defaults to the model's ``ModelSpec.state_dict_adapter``.
+    defaults to the model's ``ModelSpec.state_dict_adapter``; tensors its ``hf_stacks``
+    declares (routed experts) are read expert by expert, each rank only its own, and a
+    checkpoint its ``hf_config_problems`` finds another layout in is refused first.
 
     Example::
 
@@ -112,7 +141,13 @@ def load_hf(
     """
     root = Path(directory)
     adapter = _adapter(model, adapter)
-    names = _hf_names(model, adapter)
+    layout = _hf_layout(model, adapter)
+    problems = _config_problems(root, adapter)
+    if problems:
+        raise ValueError(
+            f"load_hf: {root} does not fit {type(model).__name__} (nothing was loaded): its "
+            f"config.json differs in {'; '.join(problems)}"
+        )
     files = _weight_files(root)
     config_path = root / "config.json"
     tied = config_path.is_file() and json.loads(config_path.read_text()).get(
@@ -124,33 +159,51 @@ def load_hf(
     else:
         tied_to = {}
     state = model.state_dict()
-    missing = sorted(hf for hf in names.values() if hf not in files)
-    unexpected = sorted(set(files) - set(names.values()))
+    wanted = [key for source in layout.values() for key in source.keys]
+    missing = sorted(hf for hf in wanted if hf not in files)
+    unexpected = sorted(set(files) - set(wanted))
     safetensors = _safetensors()
     mis_shaped = []
-    for fqn, hf_key in names.items():
-        if hf_key in missing:
-            continue
-        with safetensors.safe_open(str(files[hf_key]), framework="pt") as f:
-            shape = tuple(f.get_slice(tied_to.get(hf_key, hf_key)).get_shape())
-        if shape != tuple(state[fqn].shape):
-            mis_shaped.append(f"{hf_key}: file {shape}, model {tuple(state[fqn].shape)}")
+    for fqn, source in layout.items():
+        model_shape = tuple(state[fqn].shape)
+        per_key = model_shape[1:] if source.stacked else model_shape
+        for hf_key in source.keys:
+            if hf_key in missing:
+                continue
+            with safetensors.safe_open(str(files[hf_key]), framework="pt") as f:
+                shape = tuple(f.get_slice(tied_to.get(hf_key, hf_key)).get_shape())
+            if shape != per_key:
+                mis_shaped.append(f"{hf_key}: file {shape}, model {per_key}")
     if missing or unexpected or mis_shaped:
         raise ValueError(
             f"load_hf: {root} does not fit {type(model).__name__} (nothing was loaded); "
             f"missing: {missing}; unexpected: {unexpected}; mis-shaped: {mis_shaped}"
         )
     with torch.no_grad():
-        for fqn, hf_key in names.items():
+        for fqn, source in layout.items():
             value = state[fqn]
             index = _local_slices(value)
             if index is None:
                 continue
-            with safetensors.safe_open(str(files[hf_key]), framework="pt") as f:
-                piece = f.get_slice(tied_to.get(hf_key, hf_key))[index]
             # to_local() views the shard's storage: copying into it fills the parameter
             target = value.to_local() if isinstance(value, DTensor) else value
-            target.copy_(piece)
+            if not source.stacked:
+                target.copy_(
+                    _read(safetensors, files, tied_to.get(source.keys[0], source.keys[0]), index)
+                )
+                continue
+            first = index[0].start  # this rank's experts: only their files are read
+            for e in range(first, index[0].stop):
+                target[e - first].copy_(_read(safetensors, files, source.keys[e], index[1:]))
+
+
+def _read(
+    safetensors: Any, files: dict[str, Path], hf_key: str, index: tuple[slice, ...]
+) -> torch.Tensor:
+    """The ``index`` slice of ``hf_key`` read from its file (nothing else of it is read)."""
+    with safetensors.safe_open(str(files[hf_key]), framework="pt") as f:
+        piece: torch.Tensor = f.get_slice(hf_key)[index]
+    return piece
 
 
 def _shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> Iterator[list[str]]:
@@ -187,13 +240,13 @@ def save_hf(
     """
     root = Path(directory)
     adapter = _adapter(model, adapter)
-    names = _hf_names(model, adapter)
+    layout = _hf_layout(model, adapter)
     state = model.state_dict()
     platform = get_platform()
     rank = platform.get_rank() if platform.is_initialized() else 0
     if config is None:
         config = _default_config(model, adapter)
-    sizes = [(fqn, state[fqn].numel() * state[fqn].element_size()) for fqn in names]
+    sizes = [(fqn, state[fqn].numel() * state[fqn].element_size()) for fqn in layout]
     plan = list(_shards(sizes, max_shard_bytes))
     safetensors = _safetensors()
     weight_map: dict[str, str] = {}
@@ -208,8 +261,13 @@ def save_hf(
             value = state[fqn]
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if rank == 0:
-                tensors[names[fqn]] = full.detach().cpu().contiguous()
-                weight_map[names[fqn]] = filename
+                source = layout[fqn]
+                full = full.detach().cpu()
+                pieces = list(full.unbind(0)) if source.stacked else [full]
+                for hf_key, piece in zip(source.keys, pieces, strict=True):
+                    # a stacked row views the stack: safetensors wants each its own storage
+                    tensors[hf_key] = piece.clone() if source.stacked else piece.contiguous()
+                    weight_map[hf_key] = filename
             del full
         if rank == 0:
             safetensors.torch.save_file(tensors, str(root / filename), metadata={"format": "pt"})

@@ -7,11 +7,10 @@ so the map between them renames keys and leaves values as they are.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hyper_parallel.dmodule.models._hf_keys import KeyMap, read_hf_config
 
 if TYPE_CHECKING:
     from hyper_parallel.dmodule.models.llama import Llama
@@ -35,20 +34,7 @@ _KEYS = (
 )
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
-    return re.compile(re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
-
-
-_TO_HF = [(_compile(ours), theirs) for ours, theirs in _KEYS]
-_FROM_HF = [(_compile(theirs), ours) for ours, theirs in _KEYS]
-
-
-def _rename(key: str, table: list[tuple[re.Pattern[str], str]], where: str) -> str:
-    for pattern, target in table:
-        match = pattern.match(key)
-        if match:
-            return target.replace("{i}", match.groupdict().get("i") or "")
-    raise KeyError(f"{where}: no Hugging Face Llama counterpart for key {key!r}")
+_KEY_MAP = KeyMap(_KEYS, "Llama")
 
 
 class LlamaStateDictAdapter:
@@ -65,25 +51,14 @@ class LlamaStateDictAdapter:
         self.config = config
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {_rename(k, _TO_HF, "LlamaStateDictAdapter.to_hf"): v for k, v in state_dict.items()}
+        return {_KEY_MAP.to_hf(k): v for k, v in state_dict.items()}
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {
-            _rename(k, _FROM_HF, "LlamaStateDictAdapter.from_hf"): v
-            for k, v in hf_state_dict.items()
-        }
+        return {_KEY_MAP.from_hf(k): v for k, v in hf_state_dict.items()}
 
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the model (what ``save_hf`` writes by default)."""
         return llama_config_to_hf(self.config)
-
-
-def _read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(directory)
-    path = path / "config.json" if path.is_dir() else path
-    with open(path) as f:
-        data: dict[str, Any] = json.load(f)
-    return data
 
 
 def llama_config_from_hf(
@@ -94,7 +69,7 @@ def llama_config_from_hf(
     Fields llama-ref does not implement (biases, another activation, RoPE scaling,
     a head_dim other than dim / n_heads) raise rather than being silently dropped.
     """
-    hf = _read_config(directory)
+    hf = read_hf_config(directory)
     where = f"Llama.Config.from_hf({os.fspath(directory)!r})"
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"{where}: expected model_type 'llama', found {hf.get('model_type')!r}")

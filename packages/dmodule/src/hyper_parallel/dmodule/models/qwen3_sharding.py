@@ -1,0 +1,381 @@
+"""qwen3-ref's parallelism plan, in one place and in the order it is applied.
+
+Tensor parallelism over the mesh axis ``tp``, part by part in the order a step meets
+them (SP: ``sequence_parallel``):
+
+- ``tok_embeddings``: weight ``Shard(0)`` (vocabulary); tokens ``Replicate`` in, rows
+  all-reduced to ``Replicate`` out (SP: reduce-scattered to ``Shard(1)``).
+- ``attention_norm``, ``ffn_norm``, the final ``norm``: weight ``Replicate``; activations
+  stay as they arrive.
+- ``attention``: heads split, ``wq/wk/wv`` ``Shard(0)`` and ``wo`` ``Shard(1)``;
+  ``q_norm``/``k_norm`` ``Replicate`` (they act per head, on the local heads; their
+  gradients are partial sums over ``tp``, reduced); the RoPE tables ``Replicate``.
+- ``feed_forward`` (dense layers): hidden units split, ``w1/w3`` ``Shard(0)``, ``w2``
+  ``Shard(1)``; boundaries as attention's.
+- ``output``: weight ``Shard(0)`` (vocabulary); logits ``Shard(-1)`` into the
+  loss-parallel ``cross_entropy``.
+
+:func:`parallelize_qwen3` composes the rest as plain calls, TorchTitan's order: tensor
+parallelism (:func:`apply_tp`), activation checkpointing, compile (:func:`apply_compile`),
+fully sharded data parallelism (:func:`apply_fsdp`).
+
+Example::
+
+    >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+    >>> block_config(Qwen3.Config(), 0).attention.sharding_config.out_dst_shardings
+    {MeshAxisName.TP: Replicate()}
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyper_parallel.dmodule._forward import compile_local_maps
+from hyper_parallel.dmodule.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpoint_mode,
+)
+from hyper_parallel.dmodule.layers import (
+    Embedding,
+    FeedForward,
+    Linear,
+    MoE,
+    RMSNorm,
+    block_sharding,
+)
+from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
+from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
+from hyper_parallel.dmodule.types import MeshAxisName, axis_name
+from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
+from hyper_parallel.dtensor.fsdp import fully_shard
+
+if TYPE_CHECKING:  # annotations only: qwen3.py imports this file to build its parts
+    from hyper_parallel.dmodule.models.qwen3 import Qwen3
+
+__all__ = [
+    "apply_compile",
+    "apply_fsdp",
+    "apply_tp",
+    "attention_config",
+    "block_config",
+    "embedding_config",
+    "feed_forward_config",
+    "norm_config",
+    "output_config",
+    "parallelize_qwen3",
+]
+
+
+# -- tensor parallelism: each part's Config, top of the model to its bottom ------------------
+def embedding_config(config: Qwen3.Config) -> Embedding.Config:
+    """``tok_embeddings``: vocab parallel (or replicated with ``vocab_parallel=False``).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> embedding_config(Qwen3.Config()).sharding_config.state_shardings
+        {'weight': {MeshAxisName.TP: Shard(dim=0)}}
+    """
+    if not config.vocab_parallel:
+        return Embedding.Config.replicated(config.vocab_size, config.dim)
+    return Embedding.Config.vocab_parallel(
+        config.vocab_size, config.dim, sequence_parallel=config.sequence_parallel
+    )
+
+
+def norm_config(config: Qwen3.Config) -> RMSNorm.Config:
+    """Each block's two norms and the final one: weight replicated (SP: sequence shards kept).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> norm_config(Qwen3.Config(norm_eps=1e-5)).eps
+        1e-05
+    """
+    if config.sequence_parallel:
+        return RMSNorm.Config.sequence_parallel(config.dim, eps=config.norm_eps)
+    return RMSNorm.Config(dim=config.dim, eps=config.norm_eps)
+
+
+def attention_config(config: Qwen3.Config) -> Qwen3Attention.Config:
+    """Attention, heads split over ``tp``: x in replicated, the partial sums out reduced.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> attention_config(Qwen3.Config(head_dim=32)).q_width
+        128
+    """
+    sharding = block_sharding(
+        sequence_parallel=config.sequence_parallel, replicated_states=("rope_cos", "rope_sin")
+    )
+    return Qwen3Attention.Config(
+        dim=config.dim,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        max_seq_len=config.max_seq_len,
+        rope_theta=config.rope_theta,
+        norm_eps=config.norm_eps,
+        sharding_config=sharding,
+    )
+
+
+def feed_forward_config(config: Qwen3.Config) -> FeedForward.Config:
+    """The dense layers' SwiGLU MLP, hidden units split over ``tp``.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> feed_forward_config(Qwen3.Config(ffn_dim=96)).hidden_dim
+        96
+    """
+    return FeedForward.Config.tensor_parallel(
+        sequence_parallel=config.sequence_parallel, dim=config.dim, hidden_dim=config.ffn_dim
+    )
+
+
+def moe_config(config: Qwen3.Config) -> MoE.Config:
+    """The MoE blocks' mixture of experts: routed experts ``Shard(0)`` on ``ep`` (``etp``:
+    hidden units split), the router replicated; transformers' routing (softmax, top-k,
+    ``route_norm``), load balancing only as the config asks.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> moe_config(Qwen3.Config(num_experts=8, top_k=2)).top_k
+        2
+    """
+    return MoE.Config(
+        dim=config.dim,
+        hidden_dim=config.moe_ffn_dim,
+        num_experts=config.num_experts,
+        top_k=config.top_k,
+        score_func="softmax",
+        route_norm=config.route_norm,
+        load_balance_coeff=config.load_balance_coeff,
+        aux_loss_coeff=config.aux_loss_coeff,
+    )
+
+
+def block_config(config: Qwen3.Config, layer: int) -> Qwen3Block.Config:
+    """Block ``layer``: norm, attention, norm, then the dense MLP or the MoE.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> block_config(Qwen3.Config(dim=32, n_heads=4), 0).attention.dim
+        32
+    """
+    norm = norm_config(config)
+    return Qwen3Block.Config(
+        attention_norm=norm,
+        attention=attention_config(config),
+        ffn_norm=norm.replace(),
+        feed_forward=moe_config(config)
+        if config.is_moe_layer(layer)
+        else feed_forward_config(config),
+    )
+
+
+def output_config(config: Qwen3.Config) -> Linear.Config:
+    """The output projection: column parallel over the vocab, logits left ``Shard(-1)``.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> output_config(Qwen3.Config()).sharding_config.out_dst_shardings
+        {MeshAxisName.TP: Shard(dim=-1)}
+    """
+    if not config.vocab_parallel:
+        return Linear.Config.replicated(config.dim, config.vocab_size)
+    return Linear.Config.colwise(
+        config.dim, config.vocab_size, sequence_parallel=config.sequence_parallel
+    )
+
+
+# -- the composition: TP -> EP -> activation checkpointing -> compile -> FSDP --------------
+def parallelize_qwen3(
+    model: Qwen3, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Qwen3:
+    """The spec's ``parallelize_fn``: TP and EP, activation checkpointing, compile, then FSDP.
+
+    The Configs' layouts (:func:`apply_tp`: dense states over ``tp``, routed experts over
+    ``ep``/``etp`` of the expert view); then activation checkpointing of every block when
+    ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
+    ``"selective"``; then the ``local_map`` blocks compiled when ``compile_local_map`` is
+    set; then fully sharded data parallelism (:func:`apply_fsdp`).
+
+    Example::
+
+        model = parallelize_qwen3(Qwen3.Config().build(), ParallelDims(dp_shard=2, ep=2))
+        model = parallelize_qwen3(Qwen3.Config().build(), mesh, {"activation_checkpoint": "full"})
+    """
+    ac_mode = checkpoint_mode(job_config)  # checked before anything changes
+    _check_expert_layout(mesh)
+    tp_mesh = _tp_mesh(mesh)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    # FSDP's hooks stay outside the checkpointed forward, so the recompute does not unshard twice
+    apply_activation_checkpointing(model.layers, mode=ac_mode)
+    apply_compile(model)
+    apply_fsdp(model, mesh)
+    return model
+
+
+def _tp_mesh(mesh: DeviceMesh | ParallelDims) -> DeviceMesh | ParallelDims | None:
+    """The mesh tensor parallelism runs over (``None``: a data-parallel-only mesh)."""
+    if isinstance(mesh, ParallelDims):
+        return mesh  # each state resolves its own view
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_name = axis_name(MeshAxisName.TP)
+    if tp_name in names:
+        return mesh[tp_name] if len(names) > 1 else mesh
+    return None if axis_name(MeshAxisName.DP_SHARD) in names else mesh
+
+
+def apply_tp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
+    """Check the head counts divide by ``tp`` (experts by ``ep``), then shard as declared above.
+
+    One :meth:`Module.parallelize` places every state: dense ones on the dense view, the
+    routed experts on the expert view (``Shard(0)`` on ``ep``) when given a
+    :class:`ParallelDims`.
+
+    Example::
+
+        apply_tp(Qwen3.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    """
+    tp_name = axis_name(MeshAxisName.TP)
+    if isinstance(mesh, ParallelDims):
+        tp: int | None = mesh.tp
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        tp = mesh.size(names.index(tp_name)) if tp_name in names else None
+    cfg = model.config
+    if tp is not None:
+        n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
+        if cfg.n_heads % tp or n_kv % tp:
+            raise ValueError(
+                f"Qwen3.parallelize: n_heads ({cfg.n_heads}) and n_kv_heads ({n_kv}) must "
+                f"divide by the size of mesh axis 'tp' ({tp})"
+            )
+    Module.parallelize(model, mesh)
+    return model
+
+
+def apply_compile(model: Qwen3) -> Qwen3:
+    """``torch.compile`` the ``local_map`` blocks' local math when ``compile_local_map`` is set.
+
+    Example::
+
+        apply_compile(model)  # after apply_tp: a no-op unless model.config.compile_local_map
+    """
+    if model.config.compile_local_map:
+        compile_local_maps(model)
+    return model
+
+
+def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
+    """``fully_shard`` over the data-parallel axes (``dp_shard``, and ``dp_replicate``: HSDP).
+
+    The units are TorchTitan's: the embeddings, each block, the final norm and the output
+    together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
+
+    Example::
+
+        model = parallelize_qwen3(Qwen3.Config().build(), ParallelDims(dp_shard=2, tp=2))
+    """
+    if isinstance(mesh, ParallelDims):
+        if not mesh.fsdp_enabled:
+            return model
+        dp_mesh = mesh.fsdp_mesh
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+        if shard not in names:
+            return model
+        hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+        dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    expert_params = _expert_parameters(model, mesh)
+    expert_ids = {id(p) for p in expert_params}
+    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    for layer in model.layers:
+        # the routed experts stay on the expert view (their FSDP, over efsdp, is ep's business)
+        mine = {p for p in layer.parameters() if id(p) in expert_ids}
+        fully_shard(layer, mesh=dp_mesh, ignored_params=mine or None)
+    fully_shard([model.norm, model.output], mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None)
+    return model
+
+
+def _check_expert_layout(mesh: DeviceMesh | ParallelDims) -> None:
+    """Qwen3's attention has no context-parallel form: refuse ``cp > 1`` before anything changes."""
+    if isinstance(mesh, ParallelDims) and mesh.cp > 1:
+        raise ValueError(
+            f"parallelize_qwen3: cp={mesh.cp}: Qwen3Attention has no context parallelism; "
+            "expected cp=1"
+        )
+
+
+def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[torch.nn.Parameter]:
+    """The routed experts' parameters (kept out of FSDP), each gradient made the global mean.
+
+    An expert's gradient on a rank is the sum of the mean losses' gradients of the ranks
+    whose tokens reached it: every rank of ``ep`` (the all-to-all's backward brings them
+    back). Summed over the expert's copies (``efsdp`` and ``dp_replicate``) and divided by
+    the ranks it then counts, it is the gradient of the global batch's mean loss, as
+    FSDP's average makes the dense ones.
+    """
+    if not isinstance(mesh, ParallelDims):
+        return set()
+    found = (getattr(layer.feed_forward, "experts", None) for layer in model.layers)
+    experts: list[torch.nn.Module] = [e for e in found if isinstance(e, torch.nn.Module)]
+    if not experts:
+        return set()
+    _check_expert_layout(mesh)
+    copies = [
+        axis
+        for axis, size in (("dp_replicate", mesh.dp_replicate), ("efsdp", mesh.efsdp))
+        if size > 1
+    ]
+    mean = _GradMean(
+        mesh.get_mesh(tuple(copies)) if copies else None,
+        tuple(copies),
+        float(mesh.ep * mesh.efsdp * mesh.dp_replicate),
+    )
+    params: set[torch.nn.Parameter] = set()
+    for module in experts:
+        # on the module, not on the parameters: to_empty and load replace those
+        module.register_forward_pre_hook(mean)
+        params.update(module.parameters())
+    return params
+
+
+class _GradMean:
+    """Forward pre-hook: the module's parameters get their gradients summed over the
+    expert's copies and divided, once each parameter."""
+
+    def __init__(self, mesh: DeviceMesh | None, axes: tuple[str, ...], factor: float) -> None:
+        self.mesh, self.axes, self.factor = mesh, axes, factor
+        # by identity (tensors compare by value); a weak reference tells a reused id apart
+        self.hooked: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def __call__(self, module: torch.nn.Module, args: object) -> None:
+        for param in module.parameters(recurse=False):
+            seen = self.hooked.get(id(param))
+            if seen is None or seen() is not param:
+                param.register_post_accumulate_grad_hook(self._reduce)  # type: ignore[no-untyped-call]
+                self.hooked[id(param)] = weakref.ref(param)
+
+    def _reduce(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if self.mesh is not None:
+            local.copy_(collectives.all_reduce_over(local, self.mesh, self.axes, "sum"))
+        local.div_(self.factor)
