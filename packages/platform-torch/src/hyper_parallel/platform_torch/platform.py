@@ -102,6 +102,17 @@ class TorchPlatform:
         """Exchange slot ``i`` of every rank's input with group-rank ``i``."""
         return comm.all_to_all(tensor, group, async_op=async_op)
 
+    def send_recv(
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        *,
+        offset: int = 1,
+        async_op: bool = False,
+    ) -> torch.Tensor:
+        """Send to group rank ``rank + offset``; return what ``rank - offset`` sent (point-to-point)."""
+        return comm.send_recv(tensor, group, offset=offset, async_op=async_op)
+
     def wait(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values of an ``async_op=True`` result (an ``AsyncCollectiveTensor``), waited for."""
         return comm.wait(tensor)
