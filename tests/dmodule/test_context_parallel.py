@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from tests._harness import run_on_ranks
 from tests._tolerance import assert_close_to_scale
 
+from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.context_parallel import (
     CP_ALGORITHMS,
     head_tail_index,
     head_tail_order,
 )
-from hyper_parallel.dmodule.models.llama import Llama
-from hyper_parallel.dtensor import DTensor, init_device_mesh
+from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama
+from hyper_parallel.dtensor import DeviceMesh, DTensor, init_device_mesh
 
 VOCAB, BATCH, SEQ, STEPS = 48, 2, 16, 3
 
@@ -128,47 +129,69 @@ def test_unknown_context_parallel_algorithm_is_a_config_error() -> None:
 # -- cp ranks --------------------------------------------------------------------------------------
 def _train(
     algorithm: str,
-    mesh_shape: tuple[int, ...],
-    names: tuple[str, ...],
+    layout: tuple[tuple[int, ...], tuple[str, ...]] | ParallelDims,
     *,
     packed: bool = False,
+    job_config: dict[str, Any] | None = None,
     config_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train a cp model and a one-process copy for STEPS AdamW steps; the worst differences."""
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    """Train a cp model and a one-process copy for STEPS AdamW steps; the worst differences.
+
+    With data parallelism each group trains on its rows and the one-process loss is the
+    mean of the groups' losses (what FSDP's averaging gives).
+    """
+    if isinstance(layout, ParallelDims):
+        target: DeviceMesh | ParallelDims = layout
+        dp, dp_rank = layout.dp, layout.batch_mesh.get_local_rank("batch") if layout.dp > 1 else 0
+    else:
+        target = init_device_mesh("cpu", layout[0], mesh_dim_names=layout[1])
+        dp, dp_rank = 1, 0
     config = _tiny(context_parallel=algorithm, **(config_fields or {}))
     torch.manual_seed(0)
     ref = config.build()
     ref.init_weights()
     par = config.build()
     par.load_state_dict(ref.state_dict())
-    par.parallelize(mesh)  # an initialised model: parallelize keeps its values
+    # an initialised model: parallelizing keeps its values
+    parallelize_llama(par, target, job_config) if job_config or dp > 1 else par.parallelize(target)
     docs = _documents() if packed else None
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     opt_par = torch.optim.AdamW(par.parameters(), lr=1e-2, foreach=False)
     worst: dict[str, float] = {"loss": 0.0, "logits": 0.0, "grads": 0.0, "params": 0.0}
+    rows = [slice(g * BATCH // dp, (g + 1) * BATCH // dp) for g in range(dp)]
+    mine = rows[dp_rank]
     for step in range(STEPS):
         tokens, targets = _batch(step)
-        loss_ref = ref.loss(tokens, targets, document_ids=docs)
-        loss_ref.backward()
-        loss_par = par.loss(tokens, targets, document_ids=docs)
+        losses = [
+            ref.loss(tokens[r], targets[r], document_ids=None if docs is None else docs[r])
+            for r in rows
+        ]
+        (sum(losses) / dp).backward()
+        my_docs = None if docs is None else docs[mine]
+        loss_par = par.loss(tokens[mine], targets[mine], document_ids=my_docs)
         loss_par.backward()
         with torch.no_grad():
-            logits = _full(par(tokens, document_ids=docs))
-            logits_ref = ref(tokens, document_ids=docs)
-        worst["loss"] = max(worst["loss"], abs(loss_par.item() - loss_ref.item()) / loss_ref.item())
+            logits = _full(par(tokens[mine], document_ids=my_docs))
+            logits_ref = ref(tokens[mine], document_ids=my_docs)
+        want = losses[dp_rank].item()
+        worst["loss"] = max(worst["loss"], abs(loss_par.item() - want) / want)
         worst["logits"] = max(worst["logits"], _rel(logits, logits_ref))
-        for p, q in zip(par.parameters(), ref.parameters(), strict=True):
-            assert p.grad is not None and q.grad is not None
+        for p, q in _pairs(par, ref):
+            assert p.grad is not None and q.grad is not None, "a parameter got no gradient"
             worst["grads"] = max(worst["grads"], _rel(_full(p.grad), q.grad))
         opt_ref.step()
         opt_par.step()
         opt_ref.zero_grad()
         opt_par.zero_grad()
-    for (_, p), (_, q) in zip(par.named_parameters(), ref.named_parameters(), strict=True):
+    for p, q in _pairs(par, ref):
         worst["params"] = max(worst["params"], _rel(_full(p), q.detach()))
     names_match = [n for n, _ in par.named_parameters()] == [n for n, _ in ref.named_parameters()]
     return {"worst": worst, "names_match": names_match}
+
+
+def _pairs(par: torch.nn.Module, ref: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    theirs = dict(ref.named_parameters())
+    return [(p, theirs[name]) for name, p in par.named_parameters()]
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -178,10 +201,22 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _cp_runs(cp: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out = {alg: _train(alg, (cp,), ("cp",)) for alg in CP_ALGORITHMS}
+    mesh = ((cp,), ("cp",))
+    out = {alg: _train(alg, mesh) for alg in CP_ALGORITHMS}
     if cp == 2:
-        for alg in ("allgather", "ring", "alltoall"):
-            out[f"{alg}-packed"] = _train(alg, (cp,), ("cp",), packed=True)
+        for alg in CP_ALGORITHMS:
+            out[f"{alg}-packed"] = _train(alg, mesh, packed=True)
+        out["ring-checkpointed"] = _train(
+            "ring", mesh, job_config={"activation_checkpoint": "full"}
+        )
+    else:  # 4 ranks: compositions
+        for alg in CP_ALGORITHMS:
+            out[f"{alg}-cp2xtp2"] = _train(alg, ((2, 2), ("cp", "tp")))
+        out["allgather-cp2xtp2-local_map-dims"] = _train(
+            "allgather", ParallelDims(cp=2, tp=2), config_fields={"use_local_map": True}
+        )
+        out["ring-cp2xdp_shard2"] = _train("ring", ParallelDims(dp_shard=2, cp=2), packed=True)
+        out["allgather-cp2xdp_shard2-mesh"] = _train("allgather", ((2, 2), ("dp_shard", "cp")))
     return out
 
 
@@ -221,3 +256,21 @@ def test_cp4_matches_one_process_after_three_adamw_steps(
 @pytest.mark.parametrize("algorithm", CP_ALGORITHMS)
 def test_packed_documents_on_cp2_match_one_process(cp2: dict[str, Any], algorithm: str) -> None:
     _check(cp2[f"{algorithm}-packed"])
+
+
+def test_cp2_with_activation_checkpointing_matches_one_process(cp2: dict[str, Any]) -> None:
+    _check(cp2["ring-checkpointed"])
+
+
+@pytest.mark.parametrize("algorithm", CP_ALGORITHMS)
+def test_cp2_x_tp2_matches_one_process(cp4: dict[str, Any], algorithm: str) -> None:
+    _check(cp4[f"{algorithm}-cp2xtp2"])
+
+
+def test_cp2_x_tp2_local_map_from_parallel_dims_matches_one_process(cp4: dict[str, Any]) -> None:
+    _check(cp4["allgather-cp2xtp2-local_map-dims"])
+
+
+@pytest.mark.parametrize("name", ["ring-cp2xdp_shard2", "allgather-cp2xdp_shard2-mesh"])
+def test_cp2_x_dp_shard2_fsdp_matches_one_process(cp4: dict[str, Any], name: str) -> None:
+    _check(cp4[name])

@@ -574,7 +574,9 @@ def test_dtensor_parameter_with_other_placements_is_an_error(errors: dict[str, A
 
 
 def test_not_a_mesh_is_rejected(errors: dict[str, Any]) -> None:
-    assert "parallelize: expected a DeviceMesh, found Tensor" in errors["wrong_mesh"]
+    assert (
+        "parallelize: expected a DeviceMesh or a ParallelDims, found Tensor" in errors["wrong_mesh"]
+    )
 
 
 def test_tied_tensor_with_two_layouts_is_an_error(errors: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from hyper_parallel.dmodule.model_spec import (
     unregister_spec,
 )
 from hyper_parallel.dmodule.module import Module, ModuleDict, ModuleList, Sequential
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.planner import ShardingError, check_sharding, validate_sharding
 from hyper_parallel.dmodule.sharding import (
     LocalMapConfig,
@@ -44,6 +45,7 @@ __all__ = [
     "ModuleProtocolError",
     "NamedPlacement",
     "OutputShardings",
+    "ParallelDims",
     "Sequential",
     "ShardingConfig",
     "ShardingError",

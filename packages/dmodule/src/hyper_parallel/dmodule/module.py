@@ -20,6 +20,7 @@ from hyper_parallel.dmodule._state_checks import (
     snapshot_states,
     watch_fresh_states,
 )
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.planner import ShardingError, plan_parallelize
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
@@ -288,7 +289,7 @@ class Module(_PlatformModule, Configurable):
         return f"{cls}.{name}: no initializer in {cls}.Config.param_init; it has {sorted(inits)}"
 
     # -- parallelism -------------------------------------------------------------------
-    def parallelize(self: _M, mesh: DeviceMesh) -> _M:
+    def parallelize(self: _M, mesh: DeviceMesh | ParallelDims) -> _M:
         """Shard this subtree's states and wrap forwards per each module's ``sharding_config``.
 
         Every sharding of the subtree is checked first (mesh axes, state paths, shard
@@ -297,11 +298,18 @@ class Module(_PlatformModule, Configurable):
         parameters kept) and a module with input/output shardings runs
         ``redistribute inputs -> forward -> redistribute outputs``. Callable once.
 
+        With a :class:`ParallelDims` (its meshes are built here if they were not), each
+        state and each forward lives on the view holding the axes its layout names:
+        expert weights naming ``ep`` on the expert view, dense ones on the dense view.
+
         Example::
 
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
             model = Linear.Config().build().parallelize(mesh)
+            model = Qwen3.Config().build().parallelize(ParallelDims(tp=2, ep=2))
         """
+        if isinstance(mesh, ParallelDims):
+            mesh.build_mesh(None if mesh.is_built else _device_type_of(self))
         plans, problems = plan_parallelize(self, mesh)
         if problems:
             raise ShardingError(type(self).__name__, problems)
@@ -311,7 +319,7 @@ class Module(_PlatformModule, Configurable):
             for state in plan.states:
                 if id(state.tensor) in replaced or isinstance(state.tensor, DTensor):
                     continue
-                new: torch.Tensor = distribute_state(state.tensor, mesh, state.placements)
+                new: torch.Tensor = distribute_state(state.tensor, state.mesh, state.placements)
                 if state.is_parameter:
                     new = _as_parameter(new, state.tensor)
                 replaced[id(state.tensor)] = new
@@ -657,3 +665,11 @@ _wrapped_classes.update(
         torch.nn.Sequential: Sequential,
     }
 )
+
+
+def _device_type_of(module: torch.nn.Module) -> str:
+    """The device type of ``module``'s first state not on meta (``"cpu"`` when none is)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device.type
+    return "cpu"

@@ -14,8 +14,9 @@ from hyper_parallel.dmodule._forward import (
     forward_signature,
     resolve_output_layout,
 )
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
-from hyper_parallel.dmodule.types import NamedPlacement
+from hyper_parallel.dmodule.types import NamedPlacement, axis_name
 from hyper_parallel.dtensor import (
     DeviceMesh,
     DTensor,
@@ -76,6 +77,7 @@ class StatePlan:
     tensor: torch.Tensor
     placements: list[Placement]
     is_parameter: bool
+    mesh: DeviceMesh
 
 
 @dataclass
@@ -88,7 +90,7 @@ class ModulePlan:
     forward: ForwardPlan | None = None
 
 
-def validate_sharding(model: torch.nn.Module, mesh: DeviceMesh) -> list[str]:
+def validate_sharding(model: torch.nn.Module, mesh: DeviceMesh | ParallelDims) -> list[str]:
     """Every problem of ``model``'s sharding declarations against ``mesh`` (empty: it fits).
 
     Example::
@@ -99,7 +101,7 @@ def validate_sharding(model: torch.nn.Module, mesh: DeviceMesh) -> list[str]:
     return plan_parallelize(model, mesh)[1]
 
 
-def check_sharding(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+def check_sharding(model: torch.nn.Module, mesh: DeviceMesh | ParallelDims) -> None:
     """Raise :class:`ShardingError` listing every problem of ``model`` against ``mesh``.
 
     Example::
@@ -112,10 +114,13 @@ def check_sharding(model: torch.nn.Module, mesh: DeviceMesh) -> None:
 
 
 def plan_parallelize(
-    model: torch.nn.Module, mesh: DeviceMesh
+    model: torch.nn.Module, mesh: DeviceMesh | ParallelDims
 ) -> tuple[list[ModulePlan], list[str]]:
     """Resolve every :class:`Module`'s sharding in ``model`` against ``mesh``; no mutation.
 
+    With a :class:`ParallelDims`, each state and each forward lives on the view that holds
+    the axes its layout names (the expert view for ``ep``/``efsdp``/``etp``, else the dense
+    one; see :meth:`ParallelDims.view_for`); its meshes must have been built.
     Returns the plans (pre-order) and the problems found; the plans are only
     meaningful when there are no problems.
 
@@ -123,15 +128,20 @@ def plan_parallelize(
 
         >>> plans, problems = plan_parallelize(model, mesh)  # doctest: +SKIP
     """
-    if not isinstance(mesh, DeviceMesh):
-        return [], [f"parallelize: expected a DeviceMesh, found {type(mesh).__name__}"]
-    names = mesh.mesh_dim_names
-    if not names:
+    if isinstance(mesh, ParallelDims):
+        planner = _Planner(mesh.world_mesh, (), dims=mesh)
+    elif not isinstance(mesh, DeviceMesh):
         return [], [
-            f"parallelize: the mesh {mesh} has no mesh_dim_names; sharding_config names "
-            "mesh axes, so create it with init_device_mesh(..., mesh_dim_names=(...))"
+            f"parallelize: expected a DeviceMesh or a ParallelDims, found {type(mesh).__name__}"
         ]
-    planner = _Planner(mesh, tuple(names))
+    else:
+        names = mesh.mesh_dim_names
+        if not names:
+            return [], [
+                f"parallelize: the mesh {mesh} has no mesh_dim_names; sharding_config names "
+                "mesh axes, so create it with init_device_mesh(..., mesh_dim_names=(...))"
+            ]
+        planner = _Planner(mesh, tuple(names))
     plans: list[ModulePlan] = []
     local_map_roots: list[str] = []
     for path, sub in model.named_modules(remove_duplicate=True):
@@ -247,12 +257,31 @@ class _Planner:
 
     mesh: DeviceMesh
     axes: tuple[str, ...]
+    dims: ParallelDims | None = None
     problems: list[str] = field(default_factory=list)
     claimed: dict[int, tuple[str, list[Placement]]] = field(default_factory=dict)
 
-    def _resolve(self, named: NamedPlacement, where: str) -> list[Placement] | None:
+    def _view(self, named_axes: list[object], where: str) -> tuple[DeviceMesh, tuple[str, ...]]:
+        """The mesh (and its axes) a layout naming ``named_axes`` lives on."""
+        if self.dims is None:
+            return self.mesh, self.axes
+        names = [axis_name(a) for a in named_axes if isinstance(a, str)]
         try:
-            return resolve_placements(named, self.axes, where=where)
+            view = self.dims.view_for(names)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        return view, tuple(view.mesh_dim_names or ())
+
+    def _resolve(
+        self, named: NamedPlacement, where: str, mesh: DeviceMesh | None = None
+    ) -> list[Placement] | None:
+        """``named`` as one placement per axis of ``mesh`` (default: its own view's)."""
+        try:
+            if mesh is None:
+                mesh, axes = self._view(list(named) if isinstance(named, Mapping) else [], where)
+            else:
+                axes = tuple(mesh.mesh_dim_names or ())
+            return resolve_placements(named, axes, where=where)
         except (TypeError, ValueError) as error:
             self.problems.append(str(error))
             return None
@@ -279,11 +308,16 @@ class _Planner:
             if tensor is None:
                 self.problems.append(f"{where}: the state is None; only tensors can be sharded")
                 continue
-            placements = self._resolve(named, where)
+            try:
+                mesh, axes = self._view(list(named) if isinstance(named, Mapping) else [], where)
+            except ValueError as error:
+                self.problems.append(str(error))
+                continue
+            placements = self._resolve(named, where, mesh)
             if placements is None:
                 continue
             bad = False
-            for axis, p in zip(self.axes, placements, strict=True):
+            for axis, p in zip(axes, placements, strict=True):
                 if isinstance(p, Partial):
                     self.problems.append(
                         f"{where}: mesh axis {axis!r}: states are laid out with Shard(dim) or "
@@ -301,12 +335,12 @@ class _Planner:
             wanted = _normalized(placements, tensor.ndim, where)
             if isinstance(tensor, DTensor):
                 if (
-                    tensor.device_mesh != self.mesh
+                    tensor.device_mesh != mesh
                     or _normalized(tensor.placements, tensor.ndim, where) != wanted
                 ):
                     self.problems.append(
                         f"{where}: already a DTensor on {tensor.device_mesh} with placements "
-                        f"{tensor.placements}, but sharding_config expects {list(wanted)} on {self.mesh}"
+                        f"{tensor.placements}, but sharding_config expects {list(wanted)} on {mesh}"
                     )
                 continue
             previous = self.claimed.get(id(tensor))
@@ -318,7 +352,7 @@ class _Planner:
                     )
                 continue
             self.claimed[id(tensor)] = (where, placements)
-            plan.states.append(StatePlan(owner, name, tensor, placements, is_parameter))
+            plan.states.append(StatePlan(owner, name, tensor, placements, is_parameter, mesh))
 
     def plan_forward(
         self, module: torch.nn.Module, path: str, sc: ShardingConfig
@@ -327,6 +361,11 @@ class _Planner:
         if not _has_io_shardings(sc) and sc.local_map is None:
             return None
         label = _label(module, path)
+        try:
+            mesh, axes = self._view(_boundary_axes(sc), label)
+        except ValueError as error:
+            self.problems.append(str(error))
+            return None
         positional, named, var_kw = forward_signature(type(module))
         resolved: dict[str, dict[str, tuple[Placement, ...]]] = {}
         grad_spec = (
@@ -357,7 +396,7 @@ class _Planner:
                         f"forward does not take; its arguments are {sorted(named)}"
                     )
                     continue
-                placements = self._resolve(item, where)
+                placements = self._resolve(item, where, mesh)
                 if placements is not None:
                     resolved[kind][arg] = tuple(placements)
         outputs: dict[str, OutputLayout | None] = {}
@@ -369,14 +408,12 @@ class _Planner:
             if out_spec is None:
                 continue
             try:
-                outputs[kind] = resolve_output_layout(
-                    out_spec, self.axes, where=f"{label} ({kind})"
-                )
+                outputs[kind] = resolve_output_layout(out_spec, axes, where=f"{label} ({kind})")
             except (TypeError, ValueError) as error:
                 self.problems.append(str(error))
         return ForwardPlan(
             owner=label,
-            mesh=self.mesh,
+            mesh=mesh,
             positional_names=positional,
             in_src=resolved["in_src_shardings"],
             in_dst=resolved["in_dst_shardings"],
@@ -386,3 +423,27 @@ class _Planner:
             in_grad=resolved["local_map.in_grad_placements"],
             compile=sc.local_map is not None and sc.local_map.compile,
         )
+
+
+def _named_axes(spec: object) -> list[object]:
+    """Every mesh axis a boundary layout names (placements by axis, nested in outputs)."""
+    if isinstance(spec, Mapping):
+        if any(isinstance(v, Placement) for v in spec.values()):
+            return list(spec)
+        return [axis for value in spec.values() for axis in _named_axes(value)]
+    if isinstance(spec, (list, tuple)):
+        return [axis for item in spec for axis in _named_axes(item)]
+    return []
+
+
+def _boundary_axes(sc: ShardingConfig) -> list[object]:
+    """The axes a module's forward boundaries name: one view holds all of them."""
+    specs: list[object] = [
+        sc.in_src_shardings,
+        sc.in_dst_shardings,
+        sc.out_src_shardings,
+        sc.out_dst_shardings,
+    ]
+    if sc.local_map is not None:
+        specs.append(sc.local_map.in_grad_placements)
+    return [axis for spec in specs for axis in _named_axes(spec)]

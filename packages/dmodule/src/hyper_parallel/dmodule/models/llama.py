@@ -41,6 +41,7 @@ from hyper_parallel.dmodule.models.llama_sharding import (
     parallelize_llama,
     split_cp_mesh,
 )
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
@@ -200,7 +201,11 @@ class Llama(BaseModel):
         self.output = output_config(config).build()
 
     def forward(
-        self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        sequence_shard: bool = False,
     ) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of integer ``tokens`` ``(batch, seq)``.
 
@@ -209,10 +214,17 @@ class Llama(BaseModel):
         at 0 in each document. Once parallelized the logits are a DTensor sharded by
         vocab (``Shard(-1)``); ``.full_tensor()`` gathers them. Under context parallelism
         ``tokens`` is the full sequence on every ``cp`` rank and so are the logits, in the
-        original order.
+        original order; ``sequence_shard=True`` returns this rank's tokens' logits only
+        (:meth:`layout`'s ``index`` says which), as :meth:`loss` uses them.
         """
-        logits, layout = self._local_logits(tokens, document_ids)
+        layout = self.layout(tokens, document_ids)
         if layout is not None and layout.cp is not None:
+            tokens = tokens[:, layout.index]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h) if layout is None else layer(h, layout=layout)
+        logits: torch.Tensor = self.output(self.norm(h))
+        if layout is not None and layout.cp is not None and not sequence_shard:
             return gather_sequence(logits, layout.cp, layout.seq)
         return logits
 
@@ -234,7 +246,9 @@ class Llama(BaseModel):
 
             >>> model.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # doctest: +SKIP
         """
-        logits, layout = self._local_logits(tokens, document_ids)
+        # through __call__, so that hooks on the model (FSDP's root) see the step
+        logits = self(tokens, document_ids=document_ids, sequence_shard=True)
+        layout = self.layout(tokens, document_ids)
         if layout is None or layout.cp is None:
             return cross_entropy(logits, targets)
         if targets.shape != tokens.shape:
@@ -251,27 +265,30 @@ class Llama(BaseModel):
             share = cross_entropy(logits, local_targets) * (count / max(total, 1))
         return reduce_loss(share, layout.cp)
 
-    def _local_logits(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None
-    ) -> tuple[torch.Tensor, TokenLayout | None]:
-        """This rank's logits (its head-tail share of the sequence under cp) and the layout."""
+    def layout(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> TokenLayout | None:
+        """Where ``tokens``' positions sit for attention (``None``: plain causal, whole sequence).
+
+        Checks ``document_ids``; under context parallelism ``index`` holds this rank's
+        global positions (head-tail order).
+
+        Example::
+
+            >>> Llama.Config().build().layout(torch.zeros(1, 4, dtype=torch.long)) is None
+            True
+        """
         cp = self.context_parallel
         if document_ids is not None:
             check_document_ids(document_ids, tokens, where="Llama")
-        layout = None
-        if cp is not None or document_ids is not None:
-            layout = TokenLayout.build(
-                tokens.shape[1], document_ids=document_ids, cp=cp, device=tokens.device
-            )
-            if layout.cp is not None:
-                tokens = tokens[:, layout.index]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h) if layout is None else layer(h, layout=layout)
-        return self.output(self.norm(h)), layout
+        if cp is None and document_ids is None:
+            return None
+        return TokenLayout.build(
+            tokens.shape[1], document_ids=document_ids, cp=cp, device=tokens.device
+        )
 
-    def parallelize(self, mesh: DeviceMesh) -> Llama:
-        """Tensor and context parallel over ``mesh``, then compile.
+    def parallelize(self, mesh: DeviceMesh | ParallelDims) -> Llama:
+        """Tensor and context parallel over ``mesh`` (a mesh or a :class:`ParallelDims`), then compile.
 
         ``mesh["tp"]`` (:func:`~.llama_sharding.apply_tp`): the head counts must divide
         by its size. ``mesh["cp"]`` (:func:`~.llama_sharding.apply_cp`): the sequence is
@@ -285,6 +302,7 @@ class Llama(BaseModel):
 
             model = Llama.Config().build().parallelize(init_device_mesh("cpu", (2,),
                                                                        mesh_dim_names=("tp",)))
+            model = Llama.Config().build().parallelize(ParallelDims(cp=2, tp=2))
         """
         cp_mesh, tp_mesh = split_cp_mesh(mesh)
         check_cp(self, cp_mesh, tp_mesh)
@@ -329,7 +347,9 @@ LLAMA_PIPELINE_SPLIT = PipelineSplit(
 )
 
 
-def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Pipeline:
+def pipeline_llama(
+    model: Llama, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Pipeline:
     """The spec's ``pipelining_fn``: :func:`~hyper_parallel.dmodule.pipeline.pipeline` with the loss.
 
     ``job_config["pipeline"]`` (a mapping) may give ``schedule``, ``n_microbatches``
@@ -347,7 +367,8 @@ def pipeline_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) ->
             f"pipeline_llama: job_config['pipeline'] names {unknown}; expected schedule, "
             f"n_microbatches, stages_per_rank or split"
         )
-    options.setdefault("n_microbatches", mesh.size(axis_name(MeshAxisName.PP)))
+    pp = mesh.pp if isinstance(mesh, ParallelDims) else mesh.size(axis_name(MeshAxisName.PP))
+    options.setdefault("n_microbatches", pp)
     return pipeline(model, mesh, loss_fn=cross_entropy, **options)
 
 

@@ -38,7 +38,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -57,9 +57,10 @@ from hyper_parallel.dmodule.layers import (
     TransformerBlock,
 )
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
-from hyper_parallel.dtensor.fsdp import fully_shard
+from hyper_parallel.dtensor.fsdp import FSDPModule, fully_shard
 
 if TYPE_CHECKING:  # annotations only: llama.py imports this file to build its parts
     from hyper_parallel.dmodule.models.llama import Llama
@@ -193,23 +194,27 @@ def output_config(config: Llama.Config) -> Linear.Config:
 
 
 # -- the composition: TP -> activation checkpointing -> compile -> FSDP -----------------------
-def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None) -> Llama:
+def parallelize_llama(
+    model: Llama, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Llama:
     """The spec's ``parallelize_fn``: TP, activation checkpointing, compile, then FSDP.
 
     The Configs' layouts over ``mesh["tp"]``; then activation checkpointing of every block
     when ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
     ``"selective"``; then the ``local_map`` blocks compiled when the model's
     ``compile_local_map`` says so; then, on a mesh with a ``dp_shard`` axis (and
-    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`).
+    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`). A
+    :class:`ParallelDims` gives TP over its ``tp`` view and FSDP over its ``fsdp`` view.
 
     Example::
 
+        model = parallelize_llama(Llama.Config().build(), ParallelDims(dp_shard=2, tp=2))
         model = parallelize_llama(Llama.Config().build(), mesh)
         model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
-    cp_mesh, _ = split_cp_mesh(mesh)
-    tp_mesh = _tp_mesh(mesh)
+    cp_mesh, tp_from_cp = split_cp_mesh(mesh)
+    tp_mesh = _tp_mesh(mesh) if cp_mesh is None else tp_from_cp
     check_cp(model, cp_mesh, tp_mesh)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
@@ -222,8 +227,10 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, job_config: object = None)
     return model
 
 
-def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+def _tp_mesh(mesh: DeviceMesh | ParallelDims) -> DeviceMesh | ParallelDims | None:
     """The mesh tensor parallelism runs over (``None``: a data-parallel-only mesh)."""
+    if isinstance(mesh, ParallelDims):
+        return mesh  # each state resolves its own view
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
     if tp_name in names:
@@ -231,18 +238,25 @@ def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return None if axis_name(MeshAxisName.DP_SHARD) in names or CP_AXIS in names else mesh
 
 
-def split_cp_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """``(cp mesh or None, the mesh tensor parallelism runs over or None)``.
+def split_cp_mesh(
+    mesh: DeviceMesh | ParallelDims,
+) -> tuple[DeviceMesh | None, DeviceMesh | ParallelDims | None]:
+    """``(cp mesh or None, what tensor parallelism runs over or None)``.
 
     A mesh without a ``cp`` axis is all tensor parallel, as before; with one, tensor
     parallelism runs over its ``tp`` axis alone (if any). A ``cp`` axis of size 1 is no
-    context parallelism.
+    context parallelism. A :class:`ParallelDims` gives its ``cp`` view, and itself for
+    TP when ``cp`` is 1 (else its ``tp`` view, or ``None`` when ``tp`` is 1).
 
     Example::
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
         cp_mesh, tp_mesh = split_cp_mesh(mesh)   # mesh["cp"], mesh["tp"]
     """
+    if isinstance(mesh, ParallelDims):
+        if mesh.cp == 1:
+            return None, mesh
+        return mesh.get_mesh(CP_AXIS), (mesh.get_mesh("tp") if mesh.tp > 1 else None)
     names = tuple(mesh.mesh_dim_names or ())
     if CP_AXIS not in names:
         return None, mesh
@@ -252,7 +266,9 @@ def split_cp_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | Non
     return (cp_mesh if cp_mesh.size() > 1 else None), tp_mesh
 
 
-def check_cp(model: Llama, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> None:
+def check_cp(
+    model: Llama, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | ParallelDims | None
+) -> None:
     """Raise a ``ValueError`` unless context parallelism over ``cp_mesh`` can apply to ``model``.
 
     Every block's attention must support it (``supports_context_parallel``); with
@@ -274,7 +290,11 @@ def check_cp(model: Llama, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | Non
                 "an attention with supports_context_parallel = True)"
             )
     cfg = model.config
-    tp = tp_mesh.size() if tp_mesh is not None and tp_mesh.mesh_dim_names == ("tp",) else 1
+    tp = (
+        tp_mesh.size()
+        if isinstance(tp_mesh, DeviceMesh) and tp_mesh.mesh_dim_names == ("tp",)
+        else 1
+    )
     n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
     if cfg.context_parallel == "alltoall" and (n_kv // tp) % cp:
         raise ValueError(
@@ -317,17 +337,20 @@ def _sum_over_cp(cp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
     return hook
 
 
-def apply_tp(model: Llama, mesh: DeviceMesh) -> Llama:
+def apply_tp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
     """Check the head counts divide by the ``tp`` size, then shard as the Configs above declare.
 
     Example::
 
         apply_tp(Llama.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     """
-    names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
-    if tp_name in names:
-        tp = mesh.size(names.index(tp_name))
+    if isinstance(mesh, ParallelDims):
+        tp: int | None = mesh.tp
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        tp = mesh.size(names.index(tp_name)) if tp_name in names else None
+    if tp is not None:
         cfg = model.config
         n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
         if cfg.n_heads % tp or n_kv % tp:
@@ -351,7 +374,7 @@ def apply_compile(model: Llama) -> Llama:
     return model
 
 
-def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
+def apply_fsdp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
     """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
@@ -362,15 +385,39 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh) -> Llama:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
         model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
     """
-    names = tuple(mesh.mesh_dim_names or ())
-    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
-    if shard not in names:
-        return model
-    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-    dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    cp = model.context_parallel.size if model.context_parallel is not None else 1
+    if isinstance(mesh, ParallelDims):
+        if not mesh.fsdp_enabled:
+            return model
+        dp_mesh = mesh.fsdp_mesh  # dp_shard x cp: FSDP sums the cp ranks' gradients too
+        data_parallel = mesh.dp
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+        if shard not in names:
+            return model
+        hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+        if cp > 1 and hsdp:
+            raise ValueError(
+                "apply_fsdp: dp_replicate x dp_shard x cp on a plain DeviceMesh is not "
+                "supported; pass a ParallelDims (its fsdp view flattens dp_shard x cp)"
+            )
+        data_parallel = mesh.size(names.index(shard)) * (
+            mesh.size(names.index(replicate)) if hsdp else 1
+        )
+        if cp > 1:  # HSDP: replicated over dp_shard, sharded over cp
+            dp_mesh = mesh[(shard, CP_AXIS)]
+        else:
+            dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    if cp > 1:
+        # FSDP's reduction over cp replaces the gradient hooks of apply_cp
+        for handle in model.__dict__.pop("_cp_grad_hooks", []):
+            handle.remove()
     fully_shard(model.tok_embeddings, mesh=dp_mesh)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard([model.norm, model.output], mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    if cp > 1:  # a sum over the cp ranks (each holds a share of one loss), a mean over the data
+        cast("FSDPModule", model).set_gradient_divide_factor(float(data_parallel))
     return model

@@ -15,6 +15,7 @@ import torch
 
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.model_spec import spec_for_config
+from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline.split import (
     PipelineSplit,
     StagePlan,
@@ -338,7 +339,7 @@ def _check_microbatches(
 
 def pipeline(
     model: BaseModel,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | ParallelDims,
     *,
     schedule: str = "1F1B",
     n_microbatches: int,
@@ -357,7 +358,9 @@ def pipeline(
     lists the layer where each stage starts (default: even, the embeddings on the first
     stage and the norm and head on the last). Every argument is checked before anything
     is built. ``loss_fn(output, target)`` gets the last stage's output as the model
-    returns it (a DTensor once parallelized) and must return the mean loss.
+    returns it (a DTensor once parallelized) and must return the mean loss. With a
+    :class:`ParallelDims`, its world mesh gives ``pp`` and each stage is parallelized
+    over the ``ParallelDims`` itself (a view per state).
 
     Example::
 
@@ -380,6 +383,9 @@ def pipeline(
             f"(ModelSpec(..., pipeline_split=PipelineSplit(layers=..., first=..., last=...))); "
             f"found {found} without pipeline_split"
         )
+    dims = mesh if isinstance(mesh, ParallelDims) else None
+    if dims is not None:
+        mesh = dims.world_mesh
     names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else ()
     if not isinstance(mesh, DeviceMesh) or PP not in names:
         raise ValueError(
@@ -418,7 +424,9 @@ def pipeline(
 
     me = mesh.get_local_rank(PP)
     local = [s for s in range(num_stages) if stage_owner(s, pp, schedule_name) == me]
-    stage_mesh = mesh[others] if others else None
+    stage_mesh: DeviceMesh | ParallelDims | None = mesh[others] if others else None
+    if dims is not None and others:
+        stage_mesh = dims
     parallelize_fn = spec.parallelize_fn if spec is not None else None
     device = get_platform().device_for(mesh.device_type)
     group = mesh.get_group(PP)
