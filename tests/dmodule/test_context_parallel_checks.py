@@ -36,6 +36,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _backward(model: Llama) -> None:
+    loss = model.loss(_tokens(), _tokens())
+    torch.autograd.backward(loss)
+
+
 def _activation_shapes() -> dict[str, list[int]]:
     """Shapes of the local tensors entering and leaving block 0's parts, per algorithm."""
     torch.set_num_threads(1)
@@ -45,7 +50,7 @@ def _activation_shapes() -> dict[str, list[int]]:
         model = _model(algorithm).parallelize(mesh)
         block = model.layers[0]
 
-        def record(name: str) -> Any:
+        def record(name: str, algorithm: str = algorithm) -> Any:
             def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
                 shapes[f"{algorithm}:{name}:in"] = list(_local(args[0]).shape)
                 shapes[f"{algorithm}:{name}:out"] = list(_local(output).shape)
@@ -55,7 +60,7 @@ def _activation_shapes() -> dict[str, list[int]]:
         for name in ("attention", "feed_forward", "attention_norm"):
             block.get_submodule(name).register_forward_hook(record(name))
         block.register_forward_hook(record("block"))
-        model.loss(_tokens(), _tokens()).backward()
+        _backward(model)
     return shapes
 
 
@@ -66,7 +71,7 @@ def _cp_collectives() -> dict[str, Any]:
     for algorithm in ("allgather", "ring", "alltoall"):
         model = _model(algorithm).parallelize(mesh)
         with CommDebugMode(model) as comm:
-            model.loss(_tokens(), _tokens()).backward()
+            _backward(model)
         records = comm.records()
         out[algorithm] = {
             "axes": sorted({str(r.mesh_axis) for r in records}),
@@ -100,7 +105,7 @@ def _bad_inputs() -> dict[str, str]:
         supports_context_parallel = False
 
     other = _model()
-    plain = PlainAttention(other.layers[1].attention.config)  # type: ignore[union-attr]
+    plain = PlainAttention(other.layers[1].attention.config)  # type: ignore[union-attr,arg-type]
     other.layers[1].attention = plain
     try:
         other.parallelize(mesh)
@@ -163,7 +168,7 @@ def _save_trained(path: str) -> dict[str, torch.Tensor]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = _model("ring").parallelize(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.loss(_tokens(), _tokens()).backward()
+    _backward(model)
     opt.step()
     dcp_save(model.state_dict(), checkpoint_id=path)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
