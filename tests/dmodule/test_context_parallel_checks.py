@@ -11,6 +11,7 @@ from tests._harness import run_on_ranks
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from hyper_parallel.dmodule.context_parallel import check_inputs
 from hyper_parallel.dmodule.layers import Attention
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dtensor import CommDebugMode, DTensor, init_device_mesh
@@ -93,6 +94,20 @@ def _bad_inputs() -> dict[str, str]:
         model(_tokens(), document_ids=torch.zeros(BATCH, SEQ + 1, dtype=torch.long))
     except ValueError as error:
         errors["docs"] = str(error)
+    with check_inputs():
+        tokens = _tokens()
+        if mesh.get_local_rank("cp") == 1:
+            tokens[0, 5] += 1
+        try:
+            model.loss(tokens, _tokens())
+        except ValueError as error:
+            errors["differ"] = str(error)
+        targets = _tokens()
+        targets[1, 0] = -100 if mesh.get_local_rank("cp") == 1 else 0
+        try:
+            model.loss(_tokens(), targets)
+        except ValueError as error:
+            errors["differ_targets"] = str(error)
     # alltoall with one key/value head on two cp ranks: refused before anything changes
     single_kv = _model("alltoall", n_kv_heads=1)
     try:
@@ -159,6 +174,9 @@ def test_bad_input_is_refused_naming_what_was_expected_and_found(results: dict[s
     assert "mesh axis 'cp' (2)" in errors["alltoall"]
     assert errors["alltoall_unchanged"] == "True"
     assert "layers.1.attention (PlainAttention)" in errors["unsupported"]
+    assert "same tokens on every rank of mesh axis 'cp'" in errors["differ"]
+    assert "cp ranks [1] differing" in errors["differ"]
+    assert "Llama.loss: expected the same targets" in errors["differ_targets"]
     assert "does not support context parallelism" in errors["unsupported"]
 
 

@@ -30,6 +30,10 @@ Example::
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +49,8 @@ __all__ = [
     "TokenLayout",
     "attend",
     "check_document_ids",
+    "check_inputs",
+    "check_same_over_cp",
     "document_positions",
     "gather_sequence",
     "head_tail_index",
@@ -145,6 +151,67 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
     start_index = torch.where(starts, index, torch.zeros_like(index))
     return index - torch.cummax(start_index, dim=-1).values
+
+
+_checking: ContextVar[bool | None] = ContextVar("hp_cp_check_inputs", default=None)
+
+
+@contextmanager
+def check_inputs(enabled: bool = True) -> Iterator[None]:
+    """Debug mode: check that every cp rank of a group got the same batch (one small all-gather).
+
+    Outside any ``check_inputs`` block, the environment variable
+    ``HYPER_PARALLEL_CP_CHECK=1`` turns the check on.
+
+    Example::
+
+        with check_inputs():
+            model.loss(tokens, targets)   # ValueError if the cp ranks' tokens differ
+    """
+    token = _checking.set(enabled)
+    try:
+        yield
+    finally:
+        _checking.reset(token)
+
+
+def _check_enabled() -> bool:
+    enabled = _checking.get()
+    if enabled is None:
+        return os.environ.get("HYPER_PARALLEL_CP_CHECK", "") not in ("", "0")
+    return enabled
+
+
+def check_same_over_cp(cp: ContextParallel, where: str, **tensors: torch.Tensor | None) -> None:
+    """In the debug mode of :func:`check_inputs`, raise on every cp rank if ``tensors`` differ across cp.
+
+    Compares a fingerprint per tensor (a position-weighted sum), not the tensors.
+
+    Example::
+
+        check_same_over_cp(cp, "Llama.loss", tokens=tokens, targets=targets)
+    """
+    if not _check_enabled():
+        return
+    names = [name for name, t in tensors.items() if t is not None]
+    prints = []
+    for name in names:
+        t = tensors[name]
+        assert t is not None
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        prints.append(torch.stack([(flat * weights).sum(), flat.sum()]))
+    if not prints:
+        return
+    gathered = collectives.all_gather(torch.stack(prints), cp.mesh, CP_AXIS)
+    for i, name in enumerate(names):
+        differ = [r for r in range(cp.size) if not torch.equal(gathered[r, i], gathered[0, i])]
+        if differ:
+            raise ValueError(
+                f"{where}: expected the same {name} on every rank of mesh axis 'cp' (the full "
+                f"sequence of the group's batch), found cp ranks {differ} differing from cp "
+                "rank 0"
+            )
 
 
 @dataclass(frozen=True)

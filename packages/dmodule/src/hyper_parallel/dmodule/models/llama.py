@@ -22,6 +22,7 @@ from hyper_parallel.dmodule.context_parallel import (
     ContextParallel,
     TokenLayout,
     check_document_ids,
+    check_same_over_cp,
     gather_sequence,
     reduce_loss,
 )
@@ -219,6 +220,7 @@ class Llama(BaseModel):
         """
         layout = self.layout(tokens, document_ids)
         if layout is not None and layout.cp is not None:
+            check_same_over_cp(layout.cp, "Llama", tokens=tokens, document_ids=document_ids)
             tokens = tokens[:, layout.index]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
@@ -256,6 +258,7 @@ class Llama(BaseModel):
                 f"Llama.loss: expected targets of the tokens' shape {list(tokens.shape)}, "
                 f"found {list(targets.shape)}"
             )
+        check_same_over_cp(layout.cp, "Llama.loss", targets=targets)
         local_targets = targets[:, layout.index.to(targets.device)]
         total = int((targets != -100).sum())
         count = int((local_targets != -100).sum())
