@@ -24,8 +24,9 @@ group are fixed); cp = 1, 2, 4 on a ``("dp", "cp")`` mesh of 4 ranks, for each a
   process for every cp rank (no communication, so no waiting is counted): the (query,
   key) pairs the mask lets through for the rank's queries, and the time of ring
   attention's forward + backward on the rank's blocks (blocks the mask hides are
-  skipped, so this is where balance shows). Reported max / mean over ranks, with
-  head-tail order and, for contrast, a contiguous split. Goal: max / mean <= 1.1.
+  skipped, so this is where balance shows). Reported max / mean over ranks for the split
+  the model uses (head-tail for causal, document-aware for packed), and for contrast
+  head-tail and a contiguous split. Goal: max / mean <= 1.1.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ if __package__ in (None, ""):  # run as a script: make ``bench.*`` importable fr
 import torch
 
 from hyper_parallel.dmodule import context_parallel as cpmod
-from hyper_parallel.dmodule.context_parallel import CP_ALGORITHMS, TokenLayout, head_tail_index
+from hyper_parallel.dmodule.context_parallel import (
+    CP_ALGORITHMS,
+    TokenLayout,
+    balanced_assignment,
+    head_tail_index,
+)
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dtensor import collectives, init_device_mesh
 from hyper_parallel.dtensor.collectives import CollectiveRecord
@@ -162,26 +168,36 @@ def _random_documents(seq: int, seed: int) -> torch.Tensor:
 
 
 def balance(seq: int, cp: int, packed: bool, rounds: int) -> dict[str, float]:
-    """max/mean over cp ranks of visible pairs (head-tail, contiguous) and of ring time."""
+    """max/mean over cp ranks of visible pairs (as split, head-tail, contiguous) and ring time.
+
+    "as split" is what the model uses: head-tail for a causal batch, the document-aware
+    :func:`balanced_assignment` for a packed one.
+    """
     docs = _random_documents(seq, 1) if packed else None
     heads, kv_heads, head_dim = 8, 4, 32
-    pairs: dict[str, list[int]] = {"head-tail": [], "contiguous": []}
-    for rank in range(cp):
-        for order, index in (
-            ("head-tail", head_tail_index(seq, cp, rank)),
-            ("contiguous", _contiguous_index(seq, cp, rank)),
-        ):
+    if docs is not None:
+        assignment, chunk = balanced_assignment(docs, cp)
+    else:
+        assignment, chunk = tuple(head_tail_index(seq, cp, r) for r in range(cp)), seq // (2 * cp)
+    splits = {
+        "used": list(assignment),
+        "head-tail": [head_tail_index(seq, cp, r) for r in range(cp)],
+        "contiguous": [_contiguous_index(seq, cp, r) for r in range(cp)],
+    }
+    pairs: dict[str, list[int]] = {name: [] for name in splits}
+    for name, indices in splits.items():
+        for index in indices:
             layout = TokenLayout(index[None], index, seq, docs, None)
-            pairs[order].append(int(layout.mask(index, torch.arange(seq)).sum()))
+            pairs[name].append(int(layout.mask(index, torch.arange(seq)).sum()))
     original_shift = cpmod._shift
     cpmod._shift = lambda tensor, cp: tensor.clone()  # type: ignore[assignment,misc]
     seconds = [float("inf")] * cp
     try:
         for _ in range(rounds):
             for rank in range(cp):
-                index = head_tail_index(seq, cp, rank)
+                index = assignment[rank]
                 fake: Any = _FakeCp(cp, rank)
-                layout = TokenLayout(index[None], index, seq, docs, fake)
+                layout = TokenLayout(index[None], index, seq, docs, fake, assignment, chunk)
                 q = torch.randn(1, heads, seq // cp, head_dim, requires_grad=True)
                 k = torch.randn(1, kv_heads, seq // cp, head_dim, requires_grad=True)
                 v = torch.randn(1, kv_heads, seq // cp, head_dim, requires_grad=True)
@@ -195,6 +211,7 @@ def balance(seq: int, cp: int, packed: bool, rounds: int) -> dict[str, float]:
         return max(values) / (sum(values) / len(values))
 
     return {
+        "pairs_used": ratio(pairs["used"]),
         "pairs_head_tail": ratio(pairs["head-tail"]),
         "pairs_contiguous": ratio(pairs["contiguous"]),
         "ring_time": ratio(seconds),
@@ -220,7 +237,8 @@ def main() -> None:
         for packed in (False, True):
             found = balance(args.balance_seq, cp, packed, args.rounds)
             print(
-                f"{cp:>3} {'packed' if packed else 'causal':<8} {found['pairs_head_tail']:>16.3f} "
+                f"{cp:>3} {'packed' if packed else 'causal':<8} {found['pairs_used']:>15.3f} "
+                f"{found['pairs_head_tail']:>16.3f} "
                 f"{found['pairs_contiguous']:>17.3f} {found['ring_time']:>10.3f}"
             )
     ranks = run_distributed(

@@ -13,6 +13,8 @@ from tests._tolerance import assert_close_to_scale
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.context_parallel import (
     CP_ALGORITHMS,
+    attention_work,
+    balanced_assignment,
     head_tail_index,
     head_tail_order,
 )
@@ -61,6 +63,21 @@ def test_head_tail_order_gives_every_rank_chunks_r_and_2cp_minus_1_minus_r() -> 
     order = head_tail_order(16, 4)
     assert sorted(order.tolist()) == list(range(16))
     assert head_tail_index(16, 4, 1).tolist() == [2, 3, 12, 13]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_batches_are_split_into_equal_tokens_and_even_attention_work(cp: int) -> None:
+    # one long document then many short ones: head-tail gives the tail ranks most of the work
+    lengths = [96, *([4] * 8)]
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    ranks, _ = balanced_assignment(docs, cp)
+    assert sorted(torch.cat(ranks).tolist()) == list(range(128))
+    assert {r.numel() for r in ranks} == {128 // cp}
+    work = attention_work(docs).double()
+    loads = torch.stack([work[r].sum() for r in ranks])
+    head_tail = torch.stack([work[head_tail_index(128, cp, r)].sum() for r in range(cp)])
+    assert float(loads.max() / loads.mean()) <= 1.1
+    assert float(head_tail.max() / head_tail.mean()) > 1.1  # the case needs the balancer
 
 
 def test_packed_documents_equal_each_document_alone() -> None:

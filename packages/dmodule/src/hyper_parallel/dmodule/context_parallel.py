@@ -17,7 +17,9 @@ one of three algorithms (:data:`CP_ALGORITHMS`):
 
 Packed documents (``document_ids``: ``[batch, seq]`` ints from 0, non-decreasing along the
 sequence) are masked so that no token attends across a boundary, and their RoPE positions
-restart at 0 in each document, with and without ``cp`` and with every algorithm.
+restart at 0 in each document, with and without ``cp`` and with every algorithm. Under
+``cp`` a packed batch is split by :func:`balanced_assignment` (equal tokens per rank,
+even attention work) instead of head-tail.
 
 Example::
 
@@ -48,6 +50,8 @@ __all__ = [
     "ContextParallel",
     "TokenLayout",
     "attend",
+    "attention_work",
+    "balanced_assignment",
     "check_document_ids",
     "check_inputs",
     "check_same_over_cp",
@@ -151,6 +155,63 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
     start_index = torch.where(starts, index, torch.zeros_like(index))
     return index - torch.cummax(start_index, dim=-1).values
+
+
+#: Chunks per cp rank that :func:`balanced_assignment` deals out (``2 * BALANCE_PIECES``).
+BALANCE_PIECES = 4
+
+
+def attention_work(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's causal attention work summed over the rows: its place in its document + 1.
+
+    Example::
+
+        >>> attention_work(torch.tensor([[0, 0, 1], [0, 0, 0]])).tolist()
+        [2, 4, 4]
+    """
+    return (document_positions(document_ids) + 1).sum(0)
+
+
+def balanced_assignment(
+    document_ids: torch.Tensor, cp: int
+) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Every cp rank's positions for a packed batch, and the chunk size: equal tokens, even work.
+
+    The sequence is cut into ``2 * BALANCE_PIECES * cp`` equal chunks (or ``2 * cp`` if it
+    does not divide); chunks are dealt heaviest first to the rank with the least work that
+    still has room (each rank gets the same number). The head-tail order is kept when it
+    is at least as even. Every rank computes the same result from the same ids.
+
+    Example::
+
+        >>> ranks, chunk = balanced_assignment(torch.zeros(1, 8, dtype=torch.long), cp=2)
+        >>> [r.tolist() for r in ranks], chunk   # one document: head-tail is already even
+        ([[0, 1, 6, 7], [2, 3, 4, 5]], 2)
+    """
+    seq = document_ids.shape[-1]
+    device = document_ids.device
+    work = attention_work(document_ids)
+    head_tail = tuple(head_tail_index(seq, cp, r, device) for r in range(cp))
+    ht_chunk = seq // (2 * cp)
+    n_chunks = 2 * BALANCE_PIECES * cp
+    if seq % n_chunks:
+        return head_tail, ht_chunk
+    chunk = seq // n_chunks
+    chunk_work = work.view(n_chunks, chunk).sum(1).tolist()
+    per_rank = n_chunks // cp
+    loads, owned = [0] * cp, [[] for _ in range(cp)]  # type: list[int], list[list[int]]
+    for c in sorted(range(n_chunks), key=lambda i: (-chunk_work[i], i)):
+        rank = min((r for r in range(cp) if len(owned[r]) < per_rank), key=lambda r: (loads[r], r))
+        owned[rank].append(c)
+        loads[rank] += chunk_work[c]
+    head_tail_max = max(int(work[i].sum()) for i in head_tail)
+    if max(loads) >= head_tail_max:
+        return head_tail, ht_chunk
+    ranks = tuple(
+        torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in sorted(cs)])
+        for cs in owned
+    )
+    return ranks, chunk
 
 
 _checking: ContextVar[bool | None] = ContextVar("hp_cp_check_inputs", default=None)
@@ -269,9 +330,32 @@ class TokenLayout:
     seq: int
     document_ids: torch.Tensor | None = None
     cp: ContextParallel | None = None
+    #: every cp rank's global positions (``None``: head-tail order), each made of equal chunks
+    assignment: tuple[torch.Tensor, ...] | None = None
+    chunk: int = 0
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TokenLayout:
         return self
+
+    def rank_index(self, rank: int) -> torch.Tensor:
+        """The global positions cp rank ``rank`` holds (:func:`head_tail_index` unless balanced)."""
+        if self.assignment is not None:
+            return self.assignment[rank]
+        assert self.cp is not None
+        return head_tail_index(self.seq, self.cp.size, rank, self.index.device)
+
+    def order(self) -> torch.Tensor:
+        """Every cp rank's positions, rank after rank (the order of an all-gather over cp)."""
+        assert self.cp is not None
+        return torch.cat([self.rank_index(r) for r in range(self.cp.size)])
+
+    def pieces(self, index: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+        """``index`` cut into its contiguous chunks: ``(slice into index, positions)`` each."""
+        chunk = self.chunk or index.shape[0] // 2
+        return [
+            (slice(start, start + chunk), index[start : start + chunk])
+            for start in range(0, index.shape[0], chunk)
+        ]
 
     @classmethod
     def build(
@@ -291,18 +375,21 @@ class TokenLayout:
         """
         if document_ids is not None:
             device = document_ids.device
-        index = (
-            cp.local_index(seq, device)
-            if cp is not None and cp.size > 1
-            else torch.arange(seq, device=device)
-        )
+        split = cp is not None and cp.size > 1
+        assignment, chunk = None, 0
+        if cp is not None and split:
+            index = cp.local_index(seq, device)  # checks seq divides into 2 * cp chunks
+            chunk = seq // (2 * cp.size)
+            if document_ids is not None:
+                assignment, chunk = balanced_assignment(document_ids, cp.size)
+                index = assignment[cp.rank]
+        else:
+            index = torch.arange(seq, device=device)
         if document_ids is None:
             positions = index.unsqueeze(0)
         else:
             positions = document_positions(document_ids)[:, index]
-        return cls(
-            positions, index, seq, document_ids, cp if cp is not None and cp.size > 1 else None
-        )
+        return cls(positions, index, seq, document_ids, cp if split else None, assignment, chunk)
 
     def local_documents(self) -> torch.Tensor | None:
         """The document ids of the local tokens (``[batch, seq_local]``)."""
@@ -356,7 +443,7 @@ def attend(
     if cp is None:
         return _sdpa(q, k, v, layout.mask(layout.index, layout.index))
     if cp.algorithm == "allgather":
-        order = head_tail_order(layout.seq, cp.size, q.device)
+        order = layout.order()
         k_all = _GatherSequence.apply(k, cp, 2)
         v_all = _GatherSequence.apply(v, cp, 2)
         return _sdpa(q, k_all, v_all, layout.mask(layout.index, order))
@@ -366,7 +453,7 @@ def attend(
                 f"Attention: context_parallel='alltoall' needs the local key/value heads "
                 f"({k.shape[1]}) to divide by the size of mesh axis 'cp' ({cp.size})"
             )
-        order = head_tail_order(layout.seq, cp.size, q.device)
+        order = layout.order()
         q_h, k_h, v_h = (_SeqToHeads.apply(t, cp) for t in (q, k, v))
         out = _sdpa(q_h, k_h, v_h, layout.mask(order, order))
         return _HeadsToSeq.apply(out, cp)  # type: ignore[no-any-return]
@@ -449,7 +536,7 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.cp), None
 
 
-def gather_sequence(x: torch.Tensor, cp: ContextParallel, seq: int) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, cp: ContextParallel, order: torch.Tensor) -> torch.Tensor:
     """Per-token outputs ``(batch, seq/cp, ...)`` of every cp rank, back in the original order.
 
     Used for the logits a parallelized model returns: the same full tensor on every cp
@@ -457,13 +544,13 @@ def gather_sequence(x: torch.Tensor, cp: ContextParallel, seq: int) -> torch.Ten
 
     Example::
 
-        logits = gather_sequence(local_logits, cp, seq)   # (batch, seq, vocab)
+        logits = gather_sequence(local_logits, cp, layout.order())   # (batch, seq, vocab)
     """
     if isinstance(x, DTensor):
-        local = gather_sequence(x.to_local(), cp, seq)
+        local = gather_sequence(x.to_local(), cp, order)
         return DTensor.from_local(local, x.device_mesh, x.placements)
     gathered = _GatherReplicated.apply(x, cp, 1)
-    inverse = torch.argsort(head_tail_order(seq, cp.size, x.device))
+    inverse = torch.argsort(order.to(x.device))
     return gathered.index_select(1, inverse)  # type: ignore[no-any-return]
 
 
@@ -507,11 +594,6 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, layout)  # type: ignore[no-any-return]
 
 
-def _pieces(index: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
-    half = index.shape[0] // 2
-    return [(slice(0, half), index[:half]), (slice(half, None), index[half:])]
-
-
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     # (b, h, s, d) -> (b, kv_h, rep, s, d): the query heads of each key/value head together
     b, h, s, d = q.shape
@@ -549,9 +631,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending = _shift(kv, cp) if step < cp.size - 1 else None  # overlaps the compute
             source = (cp.rank - step) % cp.size
-            kv_index = head_tail_index(layout.seq, cp.size, source, q.device)
-            for qs, q_index in _pieces(layout.index):
-                for ks, k_index in _pieces(kv_index):
+            kv_index = layout.rank_index(source)
+            for qs, q_index in layout.pieces(layout.index):
+                for ks, k_index in layout.pieces(kv_index):
                     mask = _visible(layout, q_index, k_index)
                     if mask is None:
                         continue
@@ -591,9 +673,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending = _shift(kv, cp) if step < cp.size - 1 else None
             source = (cp.rank - step) % cp.size
-            kv_index = head_tail_index(layout.seq, cp.size, source, q.device)
-            for qs, q_index in _pieces(layout.index):
-                for ks, k_index in _pieces(kv_index):
+            kv_index = layout.rank_index(source)
+            for qs, q_index in layout.pieces(layout.index):
+                for ks, k_index in layout.pieces(kv_index):
                     mask = _visible(layout, q_index, k_index)
                     if mask is None:
                         continue

@@ -227,7 +227,7 @@ class Llama(BaseModel):
             h = layer(h) if layout is None else layer(h, layout=layout)
         logits: torch.Tensor = self.output(self.norm(h))
         if layout is not None and layout.cp is not None and not sequence_shard:
-            return gather_sequence(logits, layout.cp, layout.seq)
+            return gather_sequence(logits, layout.cp, layout.order())
         return logits
 
     def loss(
