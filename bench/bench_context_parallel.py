@@ -231,7 +231,8 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
     print(f"per-rank attention balance, seq {args.balance_seq} (max / mean over cp ranks)")
     print(
-        f"{'cp':>3} {'batch':<8} {'pairs head-tail':>16} {'pairs contiguous':>17} {'ring time':>10}"
+        f"{'cp':>3} {'batch':<8} {'pairs as split':>15} {'pairs head-tail':>16} "
+        f"{'pairs contiguous':>17} {'ring time':>10}"
     )
     for cp in (2, 4):
         for packed in (False, True):
