@@ -49,6 +49,7 @@ __all__ = [
     "observe_collectives",
     "reduce_scatter",
     "scatter",
+    "send_recv",
     "wait",
 ]
 
@@ -60,7 +61,7 @@ class CollectiveRecord:
     """One collective as this rank issued it.
 
     ``kind``: ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``, ``"all_to_all"``,
-    ``"broadcast"`` or ``"scatter"``; ``nbytes``: this rank's input bytes (for a scatter:
+    ``"broadcast"``, ``"scatter"`` or ``"send_recv"``; ``nbytes``: this rank's input bytes (for a scatter:
     one chunk); ``group_size``: ranks in the group; ``mesh_axis``: the axis's name, or
     its index on a mesh without names.
 
@@ -227,6 +228,24 @@ def all_to_all_single(
     size, group = mesh._size_and_group(axis)
     _report("all_to_all", tensor, mesh, axis, size)
     return get_platform().all_to_all_single(tensor, output_split_sizes, input_split_sizes, group)
+
+
+def send_recv(
+    tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, *, offset: int = 1, async_op: bool = False
+) -> torch.Tensor:
+    """A ring shift along ``axis``: send ``tensor`` to local rank ``rank + offset``, get ``rank - offset``'s.
+
+    Point-to-point sends and receives (context parallelism's ring attention); recorded
+    as kind ``"send_recv"`` with the bytes sent. ``async_op=True`` returns at once and
+    :func:`wait` waits, so the next transfer overlaps the current compute.
+
+    Example::
+
+        previous = send_recv(torch.tensor([mesh.get_local_rank("cp")]), mesh, "cp")  # [1] on 0 of 2
+    """
+    size, group = mesh._size_and_group(axis)
+    _report("send_recv", tensor, mesh, axis, size)
+    return get_platform().send_recv(tensor, group, offset=offset, async_op=async_op)
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,15 @@ from hyper_parallel.dtensor.collectives import CollectiveRecord
 
 __all__ = ["CommDebugMode", "explain"]
 
-KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter")
+KINDS = (
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "scatter",
+    "send_recv",
+)
 
 
 class CommDebugMode:

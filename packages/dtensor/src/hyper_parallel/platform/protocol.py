@@ -135,6 +135,18 @@ class Platform(Protocol):
         """Rows ``input_split_sizes[i]`` of ``tensor`` (dim 0) go to group-rank ``i``; uneven splits."""
         ...
 
+    def send_recv(
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        *,
+        offset: int = 1,
+        async_op: bool = False,
+    ) -> torch.Tensor:
+        """A ring shift: send ``tensor`` to group-rank ``rank + offset``, return what
+        ``rank - offset`` sent (point-to-point; ``async_op``: :meth:`wait` waits)."""
+        ...
+
     def wait(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values of an ``async_op=True`` result, waited for (any other tensor: itself)."""
         ...

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, ParamSpec, TypeVar, cast
@@ -52,6 +53,7 @@ __all__ = [
     "new_group",
     "reduce_scatter",
     "scatter",
+    "send_recv",
     "wait",
 ]
 
@@ -431,7 +433,63 @@ def wait(tensor: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(tensor, funcol.AsyncCollectiveTensor):
         return tensor.wait()
+    works = _PENDING_P2P.pop(id(tensor), None)
+    if works is not None:
+        for work in works:
+            work.wait()
     return tensor
+
+
+# the point-to-point requests an ``async_op=True`` send_recv result still waits for
+# (by the result's id; a result dropped unwaited drops its entry)
+_PENDING_P2P: dict[int, list[Any]] = {}
+
+
+@_reports_lost_peers
+def send_recv(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    offset: int = 1,
+    async_op: bool = False,
+) -> torch.Tensor:
+    """Send ``tensor`` to group rank ``rank + offset`` and return what ``rank - offset`` sent (a ring shift).
+
+    Point-to-point (``batch_isend_irecv``); every rank of the group calls it with the
+    same shape. ``async_op=True`` returns at once; :func:`wait` on the result waits.
+
+    Example::
+
+        >>> send_recv(torch.tensor([rank]), group)  # doctest: +SKIP
+        tensor([1])  # on rank 0 of a 2-rank group
+    """
+    size, rank = _size_and_rank(group)
+    source = _physical(tensor).contiguous()
+    if size == 1 or offset % size == 0:
+        return _dense_copy(source)
+    out = torch.empty_like(source)
+    ops = [
+        dist.P2POp(dist.isend, source, _global_rank(group, (rank + offset) % size), group),
+        dist.P2POp(dist.irecv, out, _global_rank(group, (rank - offset) % size), group),
+    ]
+    works = dist.batch_isend_irecv(ops)
+    if async_op:
+        _PENDING_P2P[id(out)] = [*works, _KeepAlive(source)]
+        weakref.finalize(out, _PENDING_P2P.pop, id(out), None)
+        return out
+    for work in works:
+        work.wait()
+    return out
+
+
+class _KeepAlive:
+    """Holds a send buffer until its request is waited for."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> None:
+        del self.tensor
 
 
 # -- collectives ---------------------------------------------------------------

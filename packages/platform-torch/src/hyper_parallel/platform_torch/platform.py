@@ -112,6 +112,17 @@ class TorchPlatform:
         """Send ``input_split_sizes[i]`` rows to group-rank ``i``; receive ``output_split_sizes[j]`` from ``j``."""
         return comm.all_to_all_single(tensor, output_split_sizes, input_split_sizes, group)
 
+    def send_recv(
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None,
+        *,
+        offset: int = 1,
+        async_op: bool = False,
+    ) -> torch.Tensor:
+        """Send to group rank ``rank + offset``; return what ``rank - offset`` sent (point-to-point)."""
+        return comm.send_recv(tensor, group, offset=offset, async_op=async_op)
+
     def wait(self, tensor: torch.Tensor) -> torch.Tensor:
         """The values of an ``async_op=True`` result (an ``AsyncCollectiveTensor``), waited for."""
         return comm.wait(tensor)

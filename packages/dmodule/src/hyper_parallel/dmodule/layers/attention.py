@@ -9,9 +9,16 @@ import torch.nn.functional as F
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule.context_parallel import (
+    CP_ALGORITHMS,
+    ContextParallel,
+    TokenLayout,
+    attend,
+)
 from hyper_parallel.dmodule.layers._common import block_sharding
 from hyper_parallel.dmodule.layers.linear import Linear
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dtensor import DTensor, Replicate
 
 __all__ = ["Attention", "apply_rotary", "rotary_tables"]
 
@@ -40,6 +47,9 @@ def rotary_tables(
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the two halves of the last dim of ``x`` (``(..., seq, head_dim)``) by position.
+
+    ``cos``/``sin`` are the tables' rows of each token's position, broadcastable to
+    ``(..., seq, head_dim // 2)`` (e.g. ``(batch, 1, seq, head_dim // 2)``).
 
     Example::
 
@@ -88,6 +98,7 @@ class Attention(Module):
         max_seq_len: int = 128
         rope_theta: float = 10000.0
         use_rope: bool = True
+        context_parallel: str = "allgather"  # over mesh axis cp: allgather, ring or alltoall
         sharding_config = block_sharding(replicated_states=_ROPE_BUFFERS)
 
         def validate(self) -> None:
@@ -95,6 +106,12 @@ class Attention(Module):
             Module.Config.validate(self)
             require_positive(self, "dim", "n_heads", "n_kv_heads", "max_seq_len")
             require_positive_float(self, "rope_theta")
+            if self.context_parallel not in CP_ALGORITHMS:
+                raise ConfigError(
+                    f"Attention: expected context_parallel to be one of {list(CP_ALGORITHMS)}, "
+                    f"found {self.context_parallel!r}",
+                    path="context_parallel",
+                )
             n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
             if self.dim % self.n_heads or self.n_heads % n_kv:
                 raise ConfigError(
@@ -125,6 +142,10 @@ class Attention(Module):
             )
             return cls(sharding_config=sharding, **fields)  # type: ignore[arg-type]
 
+    #: Context parallelism can split this layer's sequence over ``cp`` (see
+    #: :mod:`~hyper_parallel.dmodule.context_parallel`).
+    supports_context_parallel = True
+
     def __init__(self, config: Attention.Config) -> None:
         super().__init__()
         config.validate()  # again: a config's fields may have been set after it was made
@@ -140,6 +161,8 @@ class Attention(Module):
         cos, sin = rotary_tables(self.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        #: The ``cp`` axis this layer's sequence is split over (set by context parallelism).
+        self.context_parallel: ContextParallel | None = None
 
     def _init_self_buffers(self, *, buffer_device: torch.device | str | None = None) -> None:
         device = buffer_device if buffer_device is not None else self.wq.weight.device
@@ -149,12 +172,21 @@ class Attention(Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention over ``x`` of shape ``(batch, seq, dim)``."""
+    def forward(self, x: torch.Tensor, *, layout: TokenLayout | None = None) -> torch.Tensor:
+        """Causal self-attention over ``x`` of shape ``(batch, seq, dim)``.
+
+        ``layout`` says where the tokens sit (RoPE positions, documents, the ``cp`` split);
+        ``None``: one document per row, positions ``0..seq-1`` (under context parallelism:
+        this rank's head-tail share of a sequence ``cp`` times longer).
+        """
         batch, seq, _ = x.shape
-        if seq > self.config.max_seq_len:
+        if layout is None and self.context_parallel is not None:
+            layout = TokenLayout.build(seq * self.context_parallel.size, cp=self.context_parallel)
+        full_seq = seq if layout is None else layout.seq
+        if full_seq > self.config.max_seq_len:
             raise ValueError(
-                f"Attention: sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}"
+                f"Attention: sequence length {full_seq} exceeds max_seq_len "
+                f"{self.config.max_seq_len}"
             )
         head_dim = self.head_dim
         q = self.wq(x).view(batch, seq, -1, head_dim).transpose(1, 2)
@@ -168,13 +200,40 @@ class Attention(Module):
                 "by the tp size"
             )
         if self.config.use_rope:
-            cos, sin = self.get_buffer("rope_cos")[:seq], self.get_buffer("rope_sin")[:seq]
+            positions = (
+                layout.positions if layout is not None else torch.arange(seq, device=x.device)
+            )
+            cos, sin = self._rope_rows(positions, q)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if heads != kv_heads:
+        if layout is None and heads != kv_heads:
             k, v = _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if layout is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif isinstance(q, DTensor):
+            # the masked and context-parallel paths run on this rank's heads (tp) as plain tensors
+            local = attend(q.to_local(), k.to_local(), v.to_local(), layout)  # type: ignore[union-attr]
+            out = DTensor.from_local(local, q.device_mesh, q.placements)
+        else:
+            out = attend(q, k, v, layout)
         projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         return projected
+
+    def _rope_rows(
+        self, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables' rows at ``positions`` (``[batch|1, seq]``), shaped ``(b, 1, seq, d/2)``."""
+        rows = []
+        for name in _ROPE_BUFFERS:
+            table = self.get_buffer(name)
+            if isinstance(table, DTensor):
+                table = table.to_local()
+            picked = table[positions.to(table.device)]
+            picked = picked.unsqueeze(1) if picked.ndim == 3 else picked
+            if isinstance(like, DTensor):
+                mesh = like.device_mesh
+                picked = DTensor.from_local(picked, mesh, [Replicate()] * mesh.ndim)
+            rows.append(picked)
+        return rows[0], rows[1]
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

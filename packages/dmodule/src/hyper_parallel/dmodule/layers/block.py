@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyper_parallel.dmodule.context_parallel import TokenLayout
 from hyper_parallel.dmodule.layers.attention import Attention
 from hyper_parallel.dmodule.layers.feed_forward import FeedForward
 from hyper_parallel.dmodule.layers.norm import RMSNorm
@@ -56,8 +57,15 @@ class TransformerBlock(Module):
         self.ffn_norm = config.ffn_norm.build()
         self.feed_forward = config.feed_forward.build()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One pre-norm residual block over ``x`` of shape ``(batch, seq, dim)``."""
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, *, layout: TokenLayout | None = None) -> torch.Tensor:
+        """One pre-norm residual block over ``x`` of shape ``(batch, seq, dim)``.
+
+        ``layout`` (packed documents, context parallelism) goes to the attention.
+        """
+        normed = self.attention_norm(x)
+        attended = (
+            self.attention(normed) if layout is None else self.attention(normed, layout=layout)
+        )
+        h = x + attended
         out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
         return out

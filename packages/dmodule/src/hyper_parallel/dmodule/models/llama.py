@@ -17,18 +17,30 @@ from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
+from hyper_parallel.dmodule.context_parallel import (
+    CP_ALGORITHMS,
+    ContextParallel,
+    TokenLayout,
+    check_document_ids,
+    check_same_over_cp,
+    gather_sequence,
+    reduce_loss,
+)
 from hyper_parallel.dmodule.layers import TransformerBlock, cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
 from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
 from hyper_parallel.dmodule.models.llama_sharding import (
     apply_compile,
+    apply_cp,
     apply_fsdp,
     apply_tp,
     block_config,
+    check_cp,
     embedding_config,
     norm_config,
     output_config,
     parallelize_llama,
+    split_cp_mesh,
 )
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
@@ -91,6 +103,7 @@ class Llama(BaseModel):
         compile_local_map: bool = False  # torch.compile the local_map blocks' local math
         sequence_parallel: bool = False
         vocab_parallel: bool = True
+        context_parallel: str = "allgather"  # attention over mesh axis cp: allgather|ring|alltoall
 
         def validate(self) -> None:
             """Sizes that type-check but cannot make a model are a ``ConfigError`` naming the field.
@@ -114,6 +127,12 @@ class Llama(BaseModel):
                 "max_seq_len",
             )
             require_positive_float(self, "norm_eps", "rope_theta")
+            if self.context_parallel not in CP_ALGORITHMS:
+                raise ConfigError(
+                    f"expected context_parallel to be one of {list(CP_ALGORITHMS)}, found "
+                    f"{self.context_parallel!r}",
+                    path="context_parallel",
+                )
             if self.compile_local_map and not self.use_local_map:
                 raise ConfigError(
                     "expected use_local_map=true with compile_local_map (it compiles the "
@@ -182,41 +201,123 @@ class Llama(BaseModel):
         self.norm = norm_config(config).build()
         self.output = output_config(config).build()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        sequence_shard: bool = False,
+    ) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of integer ``tokens`` ``(batch, seq)``.
 
-        Once parallelized the logits are a DTensor sharded by vocab (``Shard(-1)``);
-        ``.full_tensor()`` gathers them.
+        ``document_ids`` (``[batch, seq]`` ints from 0, non-decreasing) packs several
+        documents in a row: no token attends across a boundary and RoPE positions restart
+        at 0 in each document. Once parallelized the logits are a DTensor sharded by
+        vocab (``Shard(-1)``); ``.full_tensor()`` gathers them. Under context parallelism
+        ``tokens`` is the full sequence on every ``cp`` rank and so are the logits, in the
+        original order; ``sequence_shard=True`` returns this rank's tokens' logits only
+        (:meth:`layout`'s ``index`` says which), as :meth:`loss` uses them.
         """
+        layout = self.layout(tokens, document_ids)
+        if layout is not None and layout.cp is not None:
+            check_same_over_cp(layout.cp, "Llama", tokens=tokens, document_ids=document_ids)
+            tokens = tokens[:, layout.index]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))  # type: ignore[no-any-return]
+            h = layer(h) if layout is None else layer(h, layout=layout)
+        logits: torch.Tensor = self.output(self.norm(h))
+        if layout is not None and layout.cp is not None and not sequence_shard:
+            return gather_sequence(logits, layout.cp, layout.order())
+        return logits
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Mean next-token cross-entropy (loss parallel over the vocab once parallelized).
+
+        Targets ``-100`` are ignored (e.g. at each document's last token). Under context
+        parallelism ``tokens``/``targets`` are the full ``[batch, seq]`` on every ``cp``
+        rank; each rank scores its own tokens and every rank returns the mean over all
+        of them, as one process would.
 
         Example::
 
             >>> model.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # doctest: +SKIP
         """
-        return cross_entropy(self(tokens), targets)
+        # through __call__, so that hooks on the model (FSDP's root) see the step
+        logits = self(tokens, document_ids=document_ids, sequence_shard=True)
+        layout = self.layout(tokens, document_ids)
+        if layout is None or layout.cp is None:
+            return cross_entropy(logits, targets)
+        if targets.shape != tokens.shape:
+            raise ValueError(
+                f"Llama.loss: expected targets of the tokens' shape {list(tokens.shape)}, "
+                f"found {list(targets.shape)}"
+            )
+        check_same_over_cp(layout.cp, "Llama.loss", targets=targets)
+        local_targets = targets[:, layout.index.to(targets.device)]
+        total = int((targets != -100).sum())
+        count = int((local_targets != -100).sum())
+        if count == 0:  # this rank's tokens are all ignored: a zero share, still in the graph
+            share = cross_entropy(logits, torch.zeros_like(local_targets)) * 0.0
+        else:
+            share = cross_entropy(logits, local_targets) * (count / max(total, 1))
+        return reduce_loss(share, layout.cp)
+
+    def layout(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> TokenLayout | None:
+        """Where ``tokens``' positions sit for attention (``None``: plain causal, whole sequence).
+
+        Checks ``document_ids``; under context parallelism ``index`` holds this rank's
+        global positions (head-tail order).
+
+        Example::
+
+            >>> Llama.Config().build().layout(torch.zeros(1, 4, dtype=torch.long)) is None
+            True
+        """
+        cp = self.context_parallel
+        if document_ids is not None:
+            check_document_ids(document_ids, tokens, where="Llama")
+        if cp is None and document_ids is None:
+            return None
+        return TokenLayout.build(
+            tokens.shape[1], document_ids=document_ids, cp=cp, device=tokens.device
+        )
 
     def parallelize(self, mesh: DeviceMesh | ParallelDims) -> Llama:
-        """Tensor parallel over ``mesh`` (:func:`~.llama_sharding.apply_tp`), then compile.
+        """Tensor and context parallel over ``mesh`` (a mesh or a :class:`ParallelDims`), then compile.
 
-        The head counts must divide by the ``tp`` size; the ``local_map`` blocks are
-        compiled when ``compile_local_map`` is set (:func:`~.llama_sharding.apply_compile`).
-        :func:`parallelize_llama` adds activation checkpointing and FSDP.
+        ``mesh["tp"]`` (:func:`~.llama_sharding.apply_tp`): the head counts must divide
+        by its size. ``mesh["cp"]`` (:func:`~.llama_sharding.apply_cp`): the sequence is
+        split over it in head-tail order, attention by ``config.context_parallel``.
+        The ``local_map`` blocks are compiled when ``compile_local_map`` is set
+        (:func:`~.llama_sharding.apply_compile`). Everything is checked before anything
+        changes; an initialised model keeps its values. :func:`parallelize_llama` adds
+        activation checkpointing and FSDP.
 
         Example::
 
             model = Llama.Config().build().parallelize(init_device_mesh("cpu", (2,),
                                                                        mesh_dim_names=("tp",)))
+            model = Llama.Config().build().parallelize(ParallelDims(cp=2, tp=2))
         """
-        apply_tp(self, mesh)
+        cp_mesh, tp_mesh = split_cp_mesh(mesh)
+        check_cp(self, cp_mesh, tp_mesh)
+        if tp_mesh is not None:
+            apply_tp(self, tp_mesh)
+        if cp_mesh is not None:
+            apply_cp(self, cp_mesh)
         apply_compile(self)
         return self
+
+    #: The ``cp`` axis the sequence is split over (``None``: not context parallel).
+    context_parallel: ContextParallel | None = None
 
 
 def _flavors() -> dict[str, Any]:

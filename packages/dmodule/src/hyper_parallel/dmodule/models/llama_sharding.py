@@ -37,13 +37,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import torch
 
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpoint_mode,
 )
+from hyper_parallel.dmodule.context_parallel import CP_AXIS, ContextParallel
 from hyper_parallel.dmodule.layers import (
     Attention,
     Embedding,
@@ -55,23 +59,26 @@ from hyper_parallel.dmodule.layers import (
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
-from hyper_parallel.dtensor import DeviceMesh
-from hyper_parallel.dtensor.fsdp import fully_shard
+from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
+from hyper_parallel.dtensor.fsdp import FSDPModule, fully_shard
 
 if TYPE_CHECKING:  # annotations only: llama.py imports this file to build its parts
     from hyper_parallel.dmodule.models.llama import Llama
 
 __all__ = [
     "apply_compile",
+    "apply_cp",
     "apply_fsdp",
     "apply_tp",
     "attention_config",
     "block_config",
+    "check_cp",
     "embedding_config",
     "feed_forward_config",
     "norm_config",
     "output_config",
     "parallelize_llama",
+    "split_cp_mesh",
 ]
 
 
@@ -129,6 +136,7 @@ def attention_config(config: Llama.Config) -> Attention.Config:
         max_seq_len=config.max_seq_len,
         rope_theta=config.rope_theta,
         use_rope=config.use_rope,
+        context_parallel=config.context_parallel,
     )
 
 
@@ -205,9 +213,13 @@ def parallelize_llama(
         model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
-    tp_mesh = _tp_mesh(mesh)
+    cp_mesh, tp_from_cp = split_cp_mesh(mesh)
+    tp_mesh = _tp_mesh(mesh) if cp_mesh is None else tp_from_cp
+    check_cp(model, cp_mesh, tp_mesh)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
+    if cp_mesh is not None:
+        apply_cp(model, cp_mesh)
     # FSDP's hooks stay outside the checkpointed forward, so the recompute does not unshard twice
     apply_activation_checkpointing(model.layers, mode=ac_mode)
     apply_compile(model)
@@ -223,7 +235,106 @@ def _tp_mesh(mesh: DeviceMesh | ParallelDims) -> DeviceMesh | ParallelDims | Non
     tp_name = axis_name(MeshAxisName.TP)
     if tp_name in names:
         return mesh[tp_name] if len(names) > 1 else mesh
-    return None if axis_name(MeshAxisName.DP_SHARD) in names else mesh
+    return None if axis_name(MeshAxisName.DP_SHARD) in names or CP_AXIS in names else mesh
+
+
+def split_cp_mesh(
+    mesh: DeviceMesh | ParallelDims,
+) -> tuple[DeviceMesh | None, DeviceMesh | ParallelDims | None]:
+    """``(cp mesh or None, what tensor parallelism runs over or None)``.
+
+    A mesh without a ``cp`` axis is all tensor parallel, as before; with one, tensor
+    parallelism runs over its ``tp`` axis alone (if any). A ``cp`` axis of size 1 is no
+    context parallelism. A :class:`ParallelDims` gives its ``cp`` view, and itself for
+    TP when ``cp`` is 1 (else its ``tp`` view, or ``None`` when ``tp`` is 1).
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        cp_mesh, tp_mesh = split_cp_mesh(mesh)   # mesh["cp"], mesh["tp"]
+    """
+    if isinstance(mesh, ParallelDims):
+        if mesh.cp == 1:
+            return None, mesh
+        return mesh.get_mesh(CP_AXIS), (mesh.get_mesh("tp") if mesh.tp > 1 else None)
+    names = tuple(mesh.mesh_dim_names or ())
+    if CP_AXIS not in names:
+        return None, mesh
+    tp_name = axis_name(MeshAxisName.TP)
+    tp_mesh = mesh[tp_name] if tp_name in names else None
+    cp_mesh = mesh[CP_AXIS] if len(names) > 1 else mesh
+    return (cp_mesh if cp_mesh.size() > 1 else None), tp_mesh
+
+
+def check_cp(
+    model: Llama, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | ParallelDims | None
+) -> None:
+    """Raise a ``ValueError`` unless context parallelism over ``cp_mesh`` can apply to ``model``.
+
+    Every block's attention must support it (``supports_context_parallel``); with
+    ``"alltoall"`` the key/value heads per ``tp`` rank must divide by the ``cp`` size.
+
+    Example::
+
+        check_cp(model, mesh["cp"], None)   # before anything changes
+    """
+    if cp_mesh is None:
+        return
+    cp = cp_mesh.size()
+    for i, layer in enumerate(model.layers):
+        attention = getattr(layer, "attention", None)
+        if not getattr(attention, "supports_context_parallel", False):
+            raise ValueError(
+                f"Llama.parallelize: mesh axis 'cp' has size {cp}, but layers.{i}.attention "
+                f"({type(attention).__name__}) does not support context parallelism (expected "
+                "an attention with supports_context_parallel = True)"
+            )
+    cfg = model.config
+    tp = (
+        tp_mesh.size()
+        if isinstance(tp_mesh, DeviceMesh) and tp_mesh.mesh_dim_names == ("tp",)
+        else 1
+    )
+    n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
+    if cfg.context_parallel == "alltoall" and (n_kv // tp) % cp:
+        raise ValueError(
+            f"Llama.parallelize: context_parallel='alltoall' needs the key/value heads per tp "
+            f"rank (n_kv_heads {n_kv} / tp {tp} = {n_kv // tp}) to divide by the size of mesh "
+            f"axis 'cp' ({cp})"
+        )
+
+
+def apply_cp(model: Llama, cp_mesh: DeviceMesh) -> Llama:
+    """Split the sequence over ``cp_mesh`` (head-tail order) and complete gradients over it.
+
+    Every attention gets the ``cp`` axis and ``model.config.context_parallel``'s algorithm;
+    each parameter's gradient is summed over ``cp`` as autograd produces it (a tensor
+    hook, so accumulation over micro-batches stays right), so that when ``backward``
+    returns the gradients are the one-process ones. FSDP over ``cp`` takes this over
+    (:func:`apply_fsdp`).
+
+    Example::
+
+        apply_cp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)))
+    """
+    cp = ContextParallel(cp_mesh, model.config.context_parallel)
+    model.context_parallel = cp
+    for layer in model.layers:
+        layer.attention.context_parallel = cp  # type: ignore[union-attr]
+    hook = _sum_over_cp(cp_mesh)
+    handles = [param.register_hook(hook) for param in model.parameters()]  # type: ignore[no-untyped-call]
+    model.__dict__["_cp_grad_hooks"] = handles
+    return model
+
+
+def _sum_over_cp(cp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor):
+            local = collectives.all_reduce(grad.to_local(), cp_mesh, CP_AXIS, "sum")
+            return DTensor.from_local(local, grad.device_mesh, grad.placements)
+        return collectives.all_reduce(grad, cp_mesh, CP_AXIS, "sum")
+
+    return hook
 
 
 def apply_tp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
@@ -274,20 +385,39 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
         model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
     """
+    cp = model.context_parallel.size if model.context_parallel is not None else 1
     if isinstance(mesh, ParallelDims):
         if not mesh.fsdp_enabled:
             return model
-        dp_mesh = mesh.fsdp_mesh
+        dp_mesh = mesh.fsdp_mesh  # dp_shard x cp: FSDP sums the cp ranks' gradients too
+        data_parallel = mesh.dp
     else:
         names = tuple(mesh.mesh_dim_names or ())
         shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
         if shard not in names:
             return model
         hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-        dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+        if cp > 1 and hsdp:
+            raise ValueError(
+                "apply_fsdp: dp_replicate x dp_shard x cp on a plain DeviceMesh is not "
+                "supported; pass a ParallelDims (its fsdp view flattens dp_shard x cp)"
+            )
+        data_parallel = mesh.size(names.index(shard)) * (
+            mesh.size(names.index(replicate)) if hsdp else 1
+        )
+        if cp > 1:  # HSDP: replicated over dp_shard, sharded over cp
+            dp_mesh = mesh[(shard, CP_AXIS)]
+        else:
+            dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    if cp > 1:
+        # FSDP's reduction over cp replaces the gradient hooks of apply_cp
+        for handle in model.__dict__.pop("_cp_grad_hooks", []):
+            handle.remove()
     fully_shard(model.tok_embeddings, mesh=dp_mesh)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard([model.norm, model.output], mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    if cp > 1:  # a sum over the cp ranks (each holds a share of one loss), a mean over the data
+        cast("FSDPModule", model).set_gradient_divide_factor(float(data_parallel))
     return model
