@@ -7,6 +7,7 @@ for every gather. Values are integers, so comparisons are exact.
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +57,10 @@ def test_strided_shard_reads_like_torchs() -> None:
         assert pickle.loads(pickle.dumps(ours)) is ours
         assert eval(repr(ours), {"_StridedShard": SS}) is ours
     assert SS(0, sf=2) != SS(0, sf=3)
+    buffer = io.BytesIO()
+    torch.save([SS(1, sf=4)], buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == [SS(1, sf=4)]  # a safe global, as torch's
 
 
 # (mesh placements on ("dp", "tp") of 2 x 2, global shape): FSDP x TP's own layout, its

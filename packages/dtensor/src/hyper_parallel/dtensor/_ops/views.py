@@ -169,6 +169,9 @@ def _strided_view(call: OpCall, dim_map: list[int | None], out_shape: tuple[int,
     spec = call.specs[0]
     groups = view_groups(spec.shape, out_shape)
     if groups is None:
+        if not any(isinstance(p, _StridedShard) for p in spec.placements):
+            return _map_dims(call, dim_map)
+        # the planner then shows the strided axes as Replicate (they move)
         raise Declined(f"{call.func}: a view of {spec.shape} as {out_shape} of strided shards")
     ins: list[Placement] = []
     outs: list[Placement] = []
