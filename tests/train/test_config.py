@@ -156,3 +156,29 @@ def test_allow_import_admits_a_named_module(tmp_path: Path) -> None:
     import math
 
     assert build_model_config(job, 257, ("math",)).param_init == {"weight": math.sqrt}
+
+
+def test_python_m_prints_the_config_without_starting_anything() -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.train", "--print-config", "--training.steps=7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert tomllib.loads(result.stdout)["training"]["steps"] == 7
+    assert result.stderr == ""
+
+
+def test_tensorboard_missing_stops_before_training_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hyper_parallel.train.metrics import check_metrics_extras
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # an import then fails
+    job = load_job(None, ["metrics.tensorboard_dir=tb"])
+    with pytest.raises(ConfigError, match=r"pip install 'hp-train\[tensorboard\]'") as error:
+        check_metrics_extras(job)
+    assert error.value.path == "metrics.tensorboard_dir"

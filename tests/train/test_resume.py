@@ -26,6 +26,9 @@ def _three_runs(layout: list[str], corpus: str, root: str) -> tuple[RunSummary, 
     ]
     first = train(tiny_job(Path(corpus), *layout, *logged, "training.steps=5"))
     torch.manual_seed(99)  # the checkpoint restores the generators
+    if torch.distributed.get_rank() == 0:  # as if step 6 was logged before a crash
+        with open(f"{root}/metrics.jsonl", "a") as jsonl:
+            jsonl.write(json.dumps({"step": 6, "loss": -1.0}) + "\n")
     resumed = train(tiny_job(Path(corpus), *layout, *logged, "training.steps=10"), resume=True)
     if full is None or first is None or resumed is None:
         return None
@@ -49,7 +52,8 @@ def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_
     assert first.lrs + resumed.lrs == full.lrs
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]
-    # rank 0 alone wrote; the resumed run appended: steps 1..10 once each
+    # rank 0 alone wrote; the resumed run appended after the checkpoint's step (dropping the
+    # crashed run's step 6): steps 1..10 once each
     assert [r["step"] for r in train_records] == list(range(1, 11))
     assert [r["loss"] for r in train_records] == first.losses + resumed.losses
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_second"} <= set(train_records[0])

@@ -102,11 +102,11 @@ class MetricsLogger:
 
     Example::
 
-        logger = MetricsLogger(job, rank=0, resumed=False)
+        logger = MetricsLogger(job, rank=0, resumed_after=None)
         logger.log_step(StepMetrics(...), steps=100)
     """
 
-    def __init__(self, job: JobConfig, *, rank: int, resumed: bool) -> None:
+    def __init__(self, job: JobConfig, *, rank: int, resumed_after: int | None) -> None:
         self.job, self.rank = job, rank
         self.enabled = rank == 0
         self.device = torch.device(job.training.device)
@@ -123,8 +123,16 @@ class MetricsLogger:
         if job.metrics.jsonl:
             path = Path(job.metrics.jsonl)
             path.parent.mkdir(parents=True, exist_ok=True)
-            # a resumed run appends to the earlier run's records
-            self._jsonl = path.open("a" if resumed else "w", encoding="utf-8")
+            if resumed_after is not None and path.is_file():
+                # a resumed run appends to the earlier run's records up to its checkpoint
+                # (steps logged after it, before a crash, are run and logged again)
+                kept = [
+                    line
+                    for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if line.strip() and json.loads(line).get("step", 0) <= resumed_after
+                ]
+                path.write_text("".join(kept), encoding="utf-8")
+            self._jsonl = path.open("a" if resumed_after is not None else "w", encoding="utf-8")
         if job.metrics.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -357,7 +357,8 @@ def train(
             )
         sampler.position = state.data_position
     state.extra["model"] = job.model.name
-    metrics = MetricsLogger(job, rank=rank, resumed=resume) if log else None
+    resumed_after = state.step if resume else None
+    metrics = MetricsLogger(job, rank=rank, resumed_after=resumed_after) if log else None
     tokens_per_step = job.training.global_batch_size * job.training.seq_len
     summary = RunSummary(first_step=state.step + 1)
     # the loss is averaged where the batch is split; replicas that FSDP does not cover average here
