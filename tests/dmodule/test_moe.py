@@ -10,6 +10,7 @@ from tests._tolerance import assert_close_to_scale
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.layers import (
+    GroupedExperts,
     MoE,
     TokenChoiceTopKRouter,
     moe_aux_loss,
@@ -168,3 +169,24 @@ def test_bad_moe_config_names_the_field(
     assert info.value.path == path and fragment in str(info.value)
     with pytest.raises(ConfigError, match="top_k"):
         TokenChoiceTopKRouter.Config(num_experts=2, top_k=3).build()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="torch._grouped_mm needs a Hopper (sm90+) GPU",
+)
+def test_grouped_mm_path_equals_one_matmul_per_expert() -> None:
+    torch.manual_seed(0)
+    experts = GroupedExperts.Config(dim=64, hidden_dim=32, num_experts=4).build()
+    experts.init_states()
+    experts = experts.to(device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([5, 0, 9, 2], device="cuda")
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = experts(x, counts)
+    w1, w2, w3 = (w.float() for w in (experts.w1, experts.w2, experts.w3))
+    rows = []
+    for e, chunk in enumerate(torch.split(x.float(), counts.tolist())):
+        rows.append((F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T)
+    assert_close_to_scale(got.float(), torch.cat(rows), rel=2e-2)
+    got.float().square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -79,3 +79,21 @@ def _unnamed_axis_is_its_index() -> list[Any]:
 def test_an_unnamed_mesh_axis_is_recorded_by_index() -> None:
     for got in run_on_ranks(_unnamed_axis_is_its_index, 2):
         assert got == [("broadcast", 0, 2), ("all_reduce", 0, 2)]
+
+
+def _uneven_all_to_all_single() -> tuple[list[float], list[Any]]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    rank = dist.get_rank()
+    # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends none to rank 0 and 1 to itself
+    send = [1, 2] if rank == 0 else [0, 1]
+    recv = [1, 0] if rank == 0 else [2, 1]
+    rows = torch.arange(float(sum(send))).unsqueeze(1) + 10 * rank
+    with CommDebugMode() as comm:
+        got = collectives.all_to_all_single(rows, recv, send, mesh, "ep")
+    return got.squeeze(1).tolist(), [(r.kind, r.nbytes, r.mesh_axis) for r in comm.records()]
+
+
+def test_all_to_all_single_moves_uneven_rows_and_is_recorded_as_all_to_all() -> None:
+    (got0, rec0), (got1, rec1) = run_on_ranks(_uneven_all_to_all_single, 2)
+    assert got0 == [0.0] and got1 == [1.0, 2.0, 10.0]
+    assert rec0 == [("all_to_all", 12, "ep")] and rec1 == [("all_to_all", 4, "ep")]

@@ -18,7 +18,7 @@ from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, collectives
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, collectives
 
 __all__ = [
     "GroupedExperts",
@@ -35,17 +35,21 @@ ETP = "etp"  # not a MeshAxisName member: those are upstream's values
 ScoreFunc = Literal["softmax", "sigmoid"]
 
 
-def expert_sharding() -> ShardingConfig:
-    """The expert-parallel layout: experts ``Shard(0)`` on ``ep``, hidden units on ``etp``.
+def expert_sharding(*, etp: bool = False) -> ShardingConfig:
+    """The expert-parallel layout: experts ``Shard(0)`` on ``ep``; with ``etp``, hidden units too.
 
-    ``w1``/``w3`` (``[E, hidden, dim]``) split their hidden dim over ``etp`` and ``w2``
-    (``[E, dim, hidden]``) its input dim, as a column- then row-parallel pair.
+    With ``etp=True``, ``w1``/``w3`` (``[E, hidden, dim]``) split their hidden dim over
+    ``etp`` and ``w2`` (``[E, dim, hidden]``) its input dim, a column- then row-parallel
+    pair. Without it the experts live on the 1-D ``ep`` view, which ``fully_shard`` over
+    ``efsdp`` composes with.
 
     Example::
 
-        >>> expert_sharding().state_shardings["w2"]
+        >>> expert_sharding(etp=True).state_shardings["w2"]
         {MeshAxisName.EP: Shard(dim=0), 'etp': Shard(dim=2)}
     """
+    if not etp:
+        return ShardingConfig(state_shardings={name: {EP: Shard(0)} for name in ("w1", "w2", "w3")})
     return ShardingConfig(
         state_shardings={
             "w1": {EP: Shard(0), ETP: Shard(1)},
@@ -160,7 +164,7 @@ class GroupedExperts(Module):
         Example::
 
             >>> GroupedExperts.Config().sharding_config.state_shardings["w1"]
-            {MeshAxisName.EP: Shard(dim=0), 'etp': Shard(dim=1)}
+            {MeshAxisName.EP: Shard(dim=0)}
         """
 
         dim: int = 64
@@ -217,9 +221,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch's grouped matmul: CUDA kernels, bfloat16, rows a multiple of 16 bytes."""
+    """torch's grouped matmul: CUDA (sm90+) kernels, bfloat16, rows a multiple of 16 bytes."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
         return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False  # the kernels need Hopper or newer
     if not (x.dtype == w1.dtype == w2.dtype == torch.bfloat16):
         return False
     size = x.element_size()
@@ -257,6 +263,9 @@ class MoE(Module):
     class Config(Module.Config):
         """Routing (as :class:`TokenChoiceTopKRouter`), expert sizes, shared experts, balancing.
 
+        ``expert_tensor_parallel``: the experts' hidden units are split over ``etp`` too
+        (:func:`expert_sharding`; for ``ParallelDims(etp=tp)``).
+
         Example::
 
             >>> MoE.Config(num_experts=4, top_k=2, shared_hidden_dim=32).shared_hidden_dim
@@ -273,6 +282,7 @@ class MoE(Module):
         shared_hidden_dim: int = 0
         load_balance_coeff: float | None = None
         aux_loss_coeff: float = 0.0
+        expert_tensor_parallel: bool = False
 
         def validate(self) -> None:
             """Routing as the router's; ``hidden_dim >= 1``; coefficients finite and >= 0."""
@@ -305,7 +315,10 @@ class MoE(Module):
             route_scale=config.route_scale,
         ).build()
         self.experts = GroupedExperts.Config(
-            dim=config.dim, hidden_dim=config.hidden_dim, num_experts=config.num_experts
+            dim=config.dim,
+            hidden_dim=config.hidden_dim,
+            num_experts=config.num_experts,
+            sharding_config=expert_sharding(etp=config.expert_tensor_parallel),
         ).build()
         self.shared_experts: FeedForward | None = None
         if config.shared_hidden_dim > 0:
@@ -336,6 +349,8 @@ class MoE(Module):
         """Route every token of ``x`` (``[..., dim]``) to its top-k experts and combine."""
         cfg = self.config
         as_dtensor = x if isinstance(x, DTensor) else None
+        if as_dtensor is not None:
+            _refuse_duplicated_tokens(self.experts, as_dtensor)
         local = _local(x)
         tokens = local.reshape(-1, cfg.dim)
         weights, experts, probs = self.router(tokens, _local_or_none(self.expert_bias))
@@ -356,8 +371,33 @@ class MoE(Module):
         if as_dtensor is not None:
             out = DTensor.from_local(out, as_dtensor.device_mesh, as_dtensor.placements)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if isinstance(shared, DTensor) and not isinstance(out, DTensor):
+                shared = shared.to_local()  # parallelized on the dense view, x a plain tensor
+            out = out + shared
         return out
+
+
+def _refuse_duplicated_tokens(experts: GroupedExperts, x: DTensor) -> None:
+    """Raise if ``x`` is replicated over an axis while experts are split only over ``ep``.
+
+    Each rank would send the same tokens to the experts, so their gradients would count
+    every token once per rank of that axis.
+    """
+    _, ep, etp = _expert_axes(experts)
+    if not ep or etp:
+        return
+    names = x.device_mesh.mesh_dim_names or ()
+    for i, placement in enumerate(x.placements):
+        if isinstance(placement, Replicate) and x.device_mesh.size(i) > 1:
+            axis = names[i] if i < len(names) else i
+            raise ValueError(
+                f"MoE: the input is replicated over mesh axis {axis!r} "
+                f"({x.device_mesh.size(i)} ranks) while the experts are split over 'ep' only, "
+                "so each token would reach its experts once per rank of that axis; expected "
+                "distinct tokens per rank (e.g. sequence-parallel Shard(1) input) or "
+                "expert_tensor_parallel=True with ParallelDims(etp=tp)"
+            )
 
 
 def _local_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -415,15 +455,13 @@ def _run_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor)
 
 def _group_by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder (source, expert)-major chunks of ``recv_counts`` expert-major."""
-    sources, local_experts = recv_counts.shape
     sizes = recv_counts.reshape(-1)
-    starts = torch.cumsum(sizes, 0) - sizes
-    chunk_order = torch.arange(sources * local_experts).reshape(sources, local_experts).t()
-    chunk_order = chunk_order.reshape(-1)
-    pieces = [
-        torch.arange(int(starts[c]), int(starts[c]) + int(sizes[c])) for c in chunk_order.tolist()
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes  # where each (source, expert) chunk begins
+    by_expert_sizes = recv_counts.t().reshape(-1)
+    by_expert_starts = starts.reshape(recv_counts.shape).t().reshape(-1)
+    placed = torch.cumsum(by_expert_sizes, 0) - by_expert_sizes  # where it lands
+    shift = torch.repeat_interleave(by_expert_starts - placed, by_expert_sizes)
+    return shift + torch.arange(shift.numel())
 
 
 class _AllToAll(torch.autograd.Function):
