@@ -35,6 +35,9 @@ _G = torch.Generator().manual_seed(67)
 _X = torch.randn(12, 8, 16, generator=_G)
 _A = torch.randn(12, 8, generator=_G)
 _B = torch.randn(12, 8, generator=_G)
+_FIRST, _SECOND = torch.randn(4, 8, generator=_G), torch.randn(4, 8, generator=_G)
+_LOGITS = torch.rand(4, 16, 6, generator=_G)
+_LABELS = torch.randint(16, (4, 6), generator=_G)
 
 
 def _strides(side: Side) -> dict[str, Any]:
@@ -132,8 +135,9 @@ def _tensor_ops(side: Side) -> dict[str, Any]:
             "local stride": empty.to_local().stride(),
         }
     index = torch.randint(8, (4, 1, 8), generator=torch.Generator().manual_seed(2))
+    source, where = side.distribute(_X, [S(1)]), side.distribute(index, [R()])
     with side.comm() as forward:
-        got = torch.gather(side.distribute(_X, [S(1)]), 1, side.distribute(index, [R()]))
+        got = torch.gather(source, 1, where)
     out["gather along its shard, index size 1 there"] = {
         "layout": layout(got),
         "forward": forward,
@@ -142,8 +146,9 @@ def _tensor_ops(side: Side) -> dict[str, Any]:
     }
     index = torch.randint(8, (4, 4, 8), generator=torch.Generator().manual_seed(3))
     for dim in range(3):
+        source, where = side.distribute(_X, [R()]), side.distribute(index, [S(dim)])
         with side.comm() as forward:
-            got = torch.gather(side.distribute(_X, [R()]), dim, side.distribute(index, [S(dim)]))
+            got = torch.gather(source, dim, where)
         out[f"gather(dim={dim}) of an index sharded on {dim}"] = {
             "layout": layout(got),
             "forward": forward,
@@ -181,25 +186,23 @@ def _two_dim(side: Side) -> dict[str, Any]:
     S, R, P = side.Shard, side.Replicate, side.Partial
     out: dict[str, Any] = {}
     coordinate = side.mesh.get_coordinate()
-    first, second = torch.randn(4, 8, generator=_G), torch.randn(4, 8, generator=_G)
     # the local parts of two Partial values: on (P, R) the value's dp part, replicated on tp
-    part_r = side.from_local(first * (coordinate[0] + 1), [P(), R()])
-    part_p = side.from_local(second * (coordinate[0] + 1) * (coordinate[1] + 1), [P(), P()])
+    part_r = side.from_local(_FIRST * (coordinate[0] + 1), [P(), R()])
+    part_p = side.from_local(_SECOND * (coordinate[0] + 1) * (coordinate[1] + 1), [P(), P()])
     with side.comm() as forward:
         stacked = torch.stack([part_r, part_p])
     out["stack of (P, R) and (P, P)"] = {
         "layout": layout(stacked),
         "forward": forward,
         "value": full(stacked),
-        "want": torch.stack([first * 3, second * 9]),
+        "want": torch.stack([_FIRST * 3, _SECOND * 9]),
     }
     loss_parallel: Callable[[], Any]
     if side.name == "hp":
         from hyper_parallel.dtensor.parallel import loss_parallel
     else:
         from torch.distributed.tensor.parallel import loss_parallel
-    x = torch.rand(4, 16, 6, generator=_G)
-    target = torch.randint(16, (4, 6), generator=_G)
+    x, target = _LOGITS, _LABELS
     for reduction in ("sum", "none"):
         whole = x.clone().requires_grad_()
         want = F.cross_entropy(whole, target, reduction=reduction)
