@@ -10,6 +10,7 @@ key in the Hub layout.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +202,15 @@ def _check_training(tmp_path: Path, hf_config: Any, degrees: dict[str, int]) -> 
     hf = _hf_model(hf_config)
     hf.save_pretrained(tmp_path / "hf")
     want_logits = _hf_logits(hf.eval())
+    # ep and etp refactor the data/tensor ranks: they add none
+    world_size = math.prod(n for axis, n in degrees.items() if axis not in ("ep", "etp"))
     results = run_on_ranks(
-        _train_parallel, 2, str(tmp_path / "hf"), str(tmp_path / "ours"), degrees, timeout_s=240
+        _train_parallel,
+        world_size,
+        str(tmp_path / "hf"),
+        str(tmp_path / "ours"),
+        degrees,
+        timeout_s=300,
     )
     for found in results:
         assert_close_to_scale(found["logits"], want_logits, rel=1e-5, what="loaded logits")
@@ -307,15 +315,17 @@ def test_load_hf_refuses_another_expert_layout_before_loading(
 
 @pytest.mark.parametrize(
     "degrees",
-    [{"dp_shard": 2, "ep": 2}, {"dp_shard": 2}],
-    ids=["ep2-experts-split", "fsdp2-experts-replicated"],
+    [{"dp_shard": 2, "ep": 2}, {"dp_shard": 2}, {"dp_shard": 4, "ep": 2}],
+    ids=["ep2-experts-split", "fsdp2-experts-replicated", "ep2-experts-fsdp-on-efsdp2"],
 )
 def test_moe_loads_trains_and_saves_like_transformers(
     tmp_path: Path, degrees: dict[str, int]
 ) -> None:
     results = _check_training(tmp_path, _moe_hf_config(), degrees)
-    experts_per_rank = 4 // degrees.get("ep", 1)
-    for found in results:  # under ep=2 each rank read and holds 2 of the 4 experts
+    ep = degrees.get("ep", 1)
+    efsdp = degrees["dp_shard"] // ep if ep > 1 else 1  # with ep, FSDP shards experts on efsdp
+    experts_per_rank = 4 // ep // efsdp
+    for found in results:  # each rank read and holds only its own experts
         shape = found["local_shapes"]["layers.1.feed_forward.experts.w1"]
         assert shape == (experts_per_rank, 12, 16)
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "ours")

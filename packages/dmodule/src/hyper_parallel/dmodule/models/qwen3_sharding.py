@@ -51,7 +51,7 @@ from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
-from hyper_parallel.dtensor.fsdp import fully_shard
+from hyper_parallel.dtensor.fsdp import FSDPModule, fully_shard
 
 if TYPE_CHECKING:  # annotations only: qwen3.py imports this file to build its parts
     from hyper_parallel.dmodule.models.qwen3 import Qwen3
@@ -283,7 +283,8 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
     """``fully_shard`` over the data-parallel axes (``dp_shard``, and ``dp_replicate``: HSDP).
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
-    together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
+    together, then the root; under a :class:`ParallelDims` the routed experts first, over
+    ``efsdp``. A mesh without a ``dp_shard`` axis leaves the model as it is.
 
     Example::
 
@@ -322,13 +323,15 @@ def _check_expert_layout(mesh: DeviceMesh | ParallelDims) -> None:
 
 
 def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[torch.nn.Parameter]:
-    """The routed experts' parameters (kept out of FSDP), each gradient made the global mean.
+    """Make each routed expert's gradient the global mean; the parameters dense FSDP must skip.
 
     An expert's gradient on a rank is the sum of the mean losses' gradients of the ranks
     whose tokens reached it: every rank of ``ep`` (the all-to-all's backward brings them
     back). Summed over the expert's copies (``efsdp`` and ``dp_replicate``) and divided by
     the ranks it then counts, it is the gradient of the global batch's mean loss, as
-    FSDP's average makes the dense ones.
+    FSDP's average makes the dense ones. Under EP with copies, the experts' own FSDP units
+    over ``efsdp`` do it (TorchTitan's); otherwise (``ep == 1``: replicated experts, or no
+    copies) a gradient hook does, and the dense units skip the returned parameters.
     """
     if not isinstance(mesh, ParallelDims):
         return set()
@@ -337,6 +340,15 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
     if not experts:
         return set()
     _check_expert_layout(mesh)
+    factor = float(mesh.ep * mesh.efsdp * mesh.dp_replicate)
+    if mesh.ep_enabled and mesh.efsdp * mesh.dp_replicate > 1:
+        # TorchTitan's layout: the experts' copies sharded over efsdp by their own FSDP units,
+        # whose sum over the copies, divided by every rank the sum counts, is the mean
+        for module in experts:
+            unit = fully_shard(module, mesh=mesh.efsdp_mesh)
+            assert isinstance(unit, FSDPModule)
+            unit.set_gradient_divide_factor(factor)
+        return set()
     copies = [
         axis
         for axis, size in (("dp_replicate", mesh.dp_replicate), ("efsdp", mesh.efsdp))
@@ -345,7 +357,7 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
     mean = _GradMean(
         mesh.get_mesh(tuple(copies)) if copies else None,
         tuple(copies),
-        float(mesh.ep * mesh.efsdp * mesh.dp_replicate),
+        factor,
     )
     params: set[torch.nn.Parameter] = set()
     for module in experts:
