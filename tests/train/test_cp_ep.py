@@ -121,3 +121,5 @@ def test_cp_and_ep_on_models_without_them_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no routed experts") as error:
         preflight(tiny_job(corpus, "parallelism.dp_shard=2", "parallelism.ep=2"), resume=False)
     assert error.value.path == "parallelism.ep"
+    with pytest.raises(ConfigError, match=r"expected a multiple of 2 x parallelism\.cp = 4"):
+        preflight(tiny_job(corpus, "parallelism.cp=2", "training.seq_len=14"), resume=False)

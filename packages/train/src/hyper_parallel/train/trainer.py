@@ -160,6 +160,17 @@ def _check_model_layout(job: JobConfig, config: Any) -> None:
             f"routed experts (use a MoE flavor, e.g. qwen3-ref's 'debug-moe'), found {par.ep}",
             path="parallelism.ep",
         )
+    if par.ep > 1 and config.num_experts % par.ep:
+        raise ConfigError(
+            f"expected a divisor of model.config.num_experts ({config.num_experts}), found {par.ep}",
+            path="parallelism.ep",
+        )
+    if par.cp > 1 and job.training.seq_len % (2 * par.cp):
+        raise ConfigError(
+            f"expected a multiple of 2 x parallelism.cp = {2 * par.cp} (each cp rank holds two "
+            f"chunks of every sequence), found {job.training.seq_len}",
+            path="training.seq_len",
+        )
 
 
 def check_layout(job: JobConfig, world_size: int) -> None:
