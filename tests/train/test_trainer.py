@@ -150,8 +150,8 @@ def test_resume_without_a_checkpoint_and_a_layout_off_the_world_are_refused(tmp_
     job = tiny_job(write_corpus(tmp_path), f"checkpoint.dir={tmp_path}/none")
     with pytest.raises(ConfigError, match="expected a committed checkpoint"):
         preflight(job, resume=True)
-    with pytest.raises(ConfigError, match=r"expected 1 .hp-train does not run cp yet"):
-        preflight(tiny_job(tmp_path, "parallelism.cp=2"), resume=False)
+    with pytest.raises(ConfigError, match=r"expected 1 .hp-train does not run expert tensor"):
+        preflight(tiny_job(tmp_path, "parallelism.tp=2", "parallelism.etp=2"), resume=False)
 
 
 def test_flops_per_token_equal_a_hand_count_for_llama_ref() -> None:

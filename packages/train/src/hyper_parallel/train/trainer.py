@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import shutil
 import signal
@@ -30,9 +31,16 @@ from hyper_parallel.dmodule.checkpoint import (
     save_hf,
     step_path,
 )
+from hyper_parallel.dmodule.layers import MoE, moe_aux_loss, update_load_balance
 from hyper_parallel.dmodule.models.training import StepResult, train_step
 from hyper_parallel.dmodule.pipeline import Pipeline
-from hyper_parallel.dtensor import DeviceMesh, FallbackWarning, collectives, init_device_mesh
+from hyper_parallel.dtensor import (
+    DeviceMesh,
+    DTensor,
+    FallbackWarning,
+    collectives,
+    init_device_mesh,
+)
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import DEFAULT_ALLOWED_IMPORTS, JobConfig, batch_layout
 from hyper_parallel.train.data import BatchSampler, PackedSamples, pack, read_documents
@@ -134,7 +142,35 @@ def build_model_config(
             f"{job.training.seq_len} (raise model.config.max_seq_len)",
             path="training.seq_len",
         )
+    _check_model_layout(job, config)
     return config
+
+
+def _check_model_layout(job: JobConfig, config: Any) -> None:
+    """cp and ep need a model that has them: context-parallel attention, routed experts."""
+    par, name = job.parallelism, job.model.name
+    if par.cp > 1 and not hasattr(config, "context_parallel"):
+        raise ConfigError(
+            f"expected 1: model {name!r} has no context parallelism (llama-ref has), found {par.cp}",
+            path="parallelism.cp",
+        )
+    if par.ep > 1 and not getattr(config, "num_experts", 0):
+        raise ConfigError(
+            f"expected 1: model {name!r} ({job.model.flavor or 'default'} flavor) has no "
+            f"routed experts (use a MoE flavor, e.g. qwen3-ref's 'debug-moe'), found {par.ep}",
+            path="parallelism.ep",
+        )
+    if par.ep > 1 and config.num_experts % par.ep:
+        raise ConfigError(
+            f"expected a divisor of model.config.num_experts ({config.num_experts}), found {par.ep}",
+            path="parallelism.ep",
+        )
+    if par.cp > 1 and job.training.seq_len % (2 * par.cp):
+        raise ConfigError(
+            f"expected a multiple of 2 x parallelism.cp = {2 * par.cp} (each cp rank holds two "
+            f"chunks of every sequence), found {job.training.seq_len}",
+            path="training.seq_len",
+        )
 
 
 def check_layout(job: JobConfig, world_size: int) -> None:
@@ -148,10 +184,22 @@ def check_layout(job: JobConfig, world_size: int) -> None:
             path="parallelism",
         )
     parallel_dims(job, world_size)
-    for key, degree in (("cp", par.cp), ("ep", par.ep), ("etp", par.etp)):
-        if degree != 1:
+    if par.etp != 1:
+        raise ConfigError(
+            f"expected 1 (hp-train does not run expert tensor parallelism yet: the registered "
+            f"models' experts have no etp layout), found {par.etp}",
+            path="parallelism.etp",
+        )
+    if par.ep > 1 and par.tp > 1:
+        raise ConfigError(
+            f"expected ep > 1 with tp = 1 (experts over ep with a tp-replicated input need "
+            f"etp = tp, not run yet), found ep = {par.ep}, tp = {par.tp}",
+            path="parallelism.ep",
+        )
+    for key, degree in (("cp", par.cp), ("ep", par.ep)):
+        if degree > 1 and par.pp > 1:
             raise ConfigError(
-                f"expected 1 (hp-train does not run {key} yet), found {degree}",
+                f"expected 1 with parallelism.pp > 1 (not run with a pipeline yet), found {degree}",
                 path=f"parallelism.{key}",
             )
     if par.pp > 1:
@@ -365,6 +413,11 @@ def train(
     loss_mesh, loss_axes = dims.loss_mesh, ("loss",) if dims.loss_mesh.size() > 1 else ()
     average_over = None if dims.fsdp_enabled or dims.dp == 1 else (dims.batch_mesh, "batch")
     pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
+    # MoE: token counts are summed over the ranks that route different tokens (the loss view)
+    balance_mesh = loss_mesh if loss_mesh.size() > 1 else None
+    stepped_model: torch.nn.Module | Pipeline = pipe if pipe is not None else model
+    if pipe is None and any(m.config.aux_loss_coeff > 0 for m in _moe_layers(parts)):
+        stepped_model = _WithAuxLoss(model)
     if metrics is not None:
         metrics.start(nparams=nparams, world=world, first_step=state.step + 1)
     stop = _Stop()
@@ -380,7 +433,7 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             result: StepResult = train_step(
-                pipe if pipe is not None else model,
+                stepped_model,
                 [(b.tokens, b.targets, b.document_ids) for b in batches],
                 optimizer,
                 loss_mesh=loss_mesh,
@@ -391,6 +444,9 @@ def train(
                 skip_nonfinite=job.training.skip_nonfinite,
                 step=step,
             )
+            if result.stepped:
+                for part in parts:
+                    update_load_balance(part, balance_mesh)
             seconds = time.perf_counter() - start
             state.step, state.data_position = step, sampler.position
             if profiler is not None:
@@ -493,18 +549,51 @@ def validate(
     count = 0
     was_training = model.training
     model.eval()
+    loss_fn: Any = model.loss
+    takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
     with torch.no_grad():
         for _ in range(job.validation.steps):
             for batch in sampler.next_step():
                 b = batch.to(device)
-                loss = model.loss(b.tokens, b.targets)  # type: ignore[operator]
-                total += loss.detach().reshape(1)
+                documents = {"document_ids": b.document_ids} if takes_documents else {}
+                loss = loss_fn(b.tokens, b.targets, **documents)
+                value = loss.detach()
+                total += (value.full_tensor() if isinstance(value, DTensor) else value).reshape(1)
                 count += 1
     model.train(was_training)
+    # validation routes no training tokens: load balancing counts only the training batches
+    for layer in _moe_layers([model]):
+        if layer.tokens_per_expert is not None:
+            _local(layer.tokens_per_expert).zero_()
     mean = total / count
     if dp_axes:
         mean = collectives.all_reduce_over(mean, mesh, dp_axes, "avg")
     return float(mean.item())
+
+
+def _moe_layers(parts: list[torch.nn.Module]) -> list[MoE]:
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _WithAuxLoss(torch.nn.Module):
+    """The model whose ``loss`` adds its MoE layers' auxiliary loss (``aux_loss_coeff > 0``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self._takes_documents = "document_ids" in inspect.signature(model.loss).parameters  # type: ignore[arg-type]
+
+    def loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        documents = {"document_ids": document_ids} if self._takes_documents else {}
+        loss: torch.Tensor = self.model.loss(tokens, targets, **documents)  # type: ignore[operator]
+        aux = moe_aux_loss(self.model)
+        return loss if aux is None else loss + aux
 
 
 def _agree(flag: bool, everyone: DeviceMesh, device: torch.device) -> bool:
