@@ -205,8 +205,8 @@ def _qwen3_config(options: Options) -> Qwen3.Config:
 
 def _build(options: Options) -> Llama | Qwen3:
     if options.model_name == "qwen3-moe":
-        return _qwen3_config(options).build()
-    return options.model.replace(context_parallel=options.cp_attention).build()
+        return Qwen3(_qwen3_config(options))
+    return Llama(options.model.replace(context_parallel=options.cp_attention))
 
 
 def packed_document_ids(step: int, *, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -299,7 +299,9 @@ def train_layout_rank(options: Options) -> RankReport | None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, foreach=False)
     batch_mesh = dims.batch_mesh
     dp_rank, dp_size = batch_mesh.get_local_rank("batch"), batch_mesh.size()
-    rows = slice(dp_rank * options.batch_size // dp_size, (dp_rank + 1) * options.batch_size // dp_size)
+    rows = slice(
+        dp_rank * options.batch_size // dp_size, (dp_rank + 1) * options.batch_size // dp_size
+    )
     routed = _count_routed_tokens(model)
     block_bytes = _first_block_output_bytes(model)
     layout_axis = "ep" if isinstance(model, Qwen3) else "cp"
@@ -357,7 +359,10 @@ def _on_axis(
 
 
 def _axis_lines(seen: dict[str, list[int]]) -> list[str]:
-    lines = [f"    {kind:<15} x{count:<4} {size / 1024:9.1f} KiB" for kind, (count, size) in sorted(seen.items())]
+    lines = [
+        f"    {kind:<15} x{count:<4} {size / 1024:9.1f} KiB"
+        for kind, (count, size) in sorted(seen.items())
+    ]
     return lines or ["    none"]
 
 
