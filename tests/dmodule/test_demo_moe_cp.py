@@ -54,3 +54,5 @@ def test_demo_rejects_layouts_that_do_not_compose_before_starting_ranks() -> Non
     assert done.returncode == 2 and "--experts 8 must divide by --ep 3" in done.stderr
     done = _demo(["--cp", "2", "--seq-len", "6"])
     assert done.returncode == 2 and "--seq-len 6 must divide by 2 x --cp = 4" in done.stderr
+    done = _demo(["--cp", "2", "--tp", "2", "--cp-attention", "alltoall"])
+    assert done.returncode == 2 and "n_kv_heads 2 / --tp 2) to divide by --cp 2" in done.stderr

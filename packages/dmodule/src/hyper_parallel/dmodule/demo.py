@@ -155,7 +155,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         *_size_problems(args, model),
         *_checkpoint_problems(args),
         *_pipeline_problems(args, model),
-        *layout_problems(args),
+        *layout_problems(args, model),
     ]
     if problems:
         parser.error("; ".join(problems))

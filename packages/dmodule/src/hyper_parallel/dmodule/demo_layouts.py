@@ -123,7 +123,7 @@ def fill_dp_shard_for_ep(args: argparse.Namespace) -> None:
         args.dp_shard = args.ep // math.gcd(args.ep, max(args.tp, 1))
 
 
-def layout_problems(args: argparse.Namespace) -> list[str]:
+def layout_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
     """What is wrong with ``--model qwen3-moe``, ``--ep``, ``--cp`` and how they compose."""
     if args.ep < 1 or args.cp < 1 or args.experts < 1:
         return [
@@ -159,6 +159,14 @@ def layout_problems(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--seq-len {args.seq_len} must divide by 2 x --cp = {2 * args.cp} (head-tail chunks)"
         )
+    if args.cp > 1 and args.cp_attention == "alltoall":
+        # checked by Llama.parallelize too; here, before any rank starts
+        n_kv = model.n_kv_heads if model.n_kv_heads is not None else model.n_heads
+        if (n_kv // max(args.tp, 1)) % args.cp:
+            problems.append(
+                f"--cp-attention alltoall needs the key/value heads per tp rank (--model."
+                f"n_kv_heads {n_kv} / --tp {args.tp}) to divide by --cp {args.cp}"
+            )
     world = args.dp_shard * args.cp * args.tp
     try:
         ParallelDims(dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep, world_size=world)
