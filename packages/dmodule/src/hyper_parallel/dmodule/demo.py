@@ -718,7 +718,11 @@ def write_plot(
         )
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy loss")
-    axes.set_title("llama-ref: tensor parallel vs single process")
+    title = "llama-ref: tensor parallel vs single process"
+    if uses_layouts(options):  # demo_layouts' runs: name the model and the layout
+        layout = f"ep={options.ep}" if options.ep > 1 else f"cp={options.cp}"
+        title = f"{options.model_name} ({layout}): parallel vs single process"
+    axes.set_title(title)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)
