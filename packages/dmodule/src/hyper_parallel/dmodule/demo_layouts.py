@@ -449,7 +449,7 @@ def _moe_section(
     for r, row in enumerate(rows):
         lines.append(
             f"    rank {r}: {row[options.experts]:6d} tokens   expert weights {row[-1]:7d} of "
-            f"{full} ({row[-1] / max(full, 1):.3f}; 1/ep = {1 / options.ep:.3f})"
+            f"{full} ({row[-1] / max(full, 1):.3f}; ep={dims.ep} efsdp={dims.efsdp})"
         )
     lines.append("  collectives over 'ep' per training step (rank 0; dispatch, combine, backward):")
     return lines + _axis_lines(on_ep)
