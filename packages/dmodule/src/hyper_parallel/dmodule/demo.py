@@ -33,6 +33,15 @@ from hyper_parallel.dmodule.checkpoint import (
     save,
     step_path,
 )
+from hyper_parallel.dmodule.demo_layouts import (
+    add_layout_arguments,
+    fill_dp_shard_for_ep,
+    layout_problems,
+    split_model_choice,
+    train_layout_rank,
+    train_layout_reference,
+    uses_layouts,
+)
 from hyper_parallel.dmodule.models.llama import Llama, apply_fsdp
 from hyper_parallel.dmodule.models.training import synthetic_batch, train_step
 from hyper_parallel.dtensor import (
@@ -86,11 +95,18 @@ class Options:
     dp_replicate: int = 1
     plot: str = "out/loss_curve.png"
     timeout: float = 300.0
+    # the ParallelDims layouts (demo_layouts.py): qwen3-moe with --ep, llama-ref with --cp
+    model_name: str = "llama-ref"
+    ep: int = 1
+    experts: int = 8
+    cp: int = 1
+    cp_attention: str = "allgather"
+    packed: bool = False
 
     @property
     def world(self) -> int:
-        """Ranks the run needs: ``tp x dp x pp x dp_shard x dp_replicate``."""
-        return self.tp * self.dp * self.pp * self.dp_shard * self.dp_replicate
+        """Ranks the run needs: ``tp x dp x pp x dp_shard x dp_replicate x cp``."""
+        return self.tp * self.dp * self.pp * self.dp_shard * self.dp_replicate * self.cp
 
 
 @dataclass
@@ -110,6 +126,8 @@ class RankReport:
     #: With ``--pp``: every rank's parameter bytes (its stages' local shards), in rank order.
     param_bytes: list[int] = field(default_factory=list)
     state_bytes: tuple[int, int] = (0, 0)  # this rank's params + grads + optimizer; full model's
+    #: Lines a layout adds to the report (the experts' load, cp's activation bytes).
+    sections: list[str] = field(default_factory=list)
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -121,11 +139,14 @@ def parse_args(argv: Sequence[str]) -> Options:
         32
     """
     parser = _parser()
+    argv, model_choice = split_model_choice(list(argv))  # `--model NAME`, not a config key
     try:
-        overrides, rest = parse_cli_overrides(list(argv), DemoJob.Config)
+        overrides, rest = parse_cli_overrides(argv, DemoJob.Config)
     except ConfigError as error:  # e.g. `--model.dim` as the last argument: a usage error
         parser.error(error.message)
-    args = parser.parse_args(rest)
+    args = parser.parse_args(rest + model_choice)
+    if args.ep >= 1 and args.tp >= 1:
+        fill_dp_shard_for_ep(args)  # before the checks: the batch must divide by it
     try:
         model = DemoJob.Config().apply_overrides(overrides).model
     except ConfigError as error:
@@ -134,6 +155,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         *_size_problems(args, model),
         *_checkpoint_problems(args),
         *_pipeline_problems(args, model),
+        *layout_problems(args, model),
     ]
     if problems:
         parser.error("; ".join(problems))
@@ -157,6 +179,12 @@ def parse_args(argv: Sequence[str]) -> Options:
         args.dp_replicate,
         args.plot,
         args.timeout,
+        model_name=args.model_name,
+        ep=args.ep,
+        experts=args.experts,
+        cp=args.cp,
+        cp_attention=args.cp_attention,
+        packed=args.packed,
     )
 
 
@@ -198,6 +226,7 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in --checkpoint-dir (any --tp/--dp)",
     )
     _add_pipeline_arguments(parser)
+    add_layout_arguments(parser)
     return parser
 
 
@@ -410,6 +439,8 @@ def train_rank(options: Options) -> RankReport | None:
     """
     if options.pp > 1:
         return train_pipelined(options)
+    if uses_layouts(options):
+        return train_layout_rank(options)
     platform = get_platform()
     rank = platform.get_rank()
     device = platform.device_for(options.device)
@@ -570,6 +601,8 @@ def sharding_plan(
 
 def train_reference(options: Options) -> list[float]:
     """The same training in this one process: full model, full batch, same seed and data."""
+    if uses_layouts(options):
+        return train_layout_reference(options)
     device = get_platform().device_for(options.device) if options.device != "cpu" else None
     if device is None:
         torch.set_num_threads(1)  # a tiny model: extra threads only contend with other work
@@ -624,6 +657,8 @@ def report(options: Options, result: RankReport, reference: list[float], elapsed
                 f"  rank {r}: {nbytes / 1024:9.1f} KiB  ({nbytes / total:.3f} of the model; "
                 f"1 / ({split}) = {share:.3f})"
             )
+    if result.sections:
+        print("\n" + "\n".join(result.sections))
     print("\nloss: parallel vs single process (same seed, same data)")
     if result.first_step > 1:
         print(f"  (resumed at step {result.first_step}; earlier steps ran before the checkpoint)")
@@ -683,7 +718,11 @@ def write_plot(
         )
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy loss")
-    axes.set_title("llama-ref: tensor parallel vs single process")
+    title = "llama-ref: tensor parallel vs single process"
+    if uses_layouts(options):  # demo_layouts' runs: name the model and the layout
+        layout = f"ep={options.ep}" if options.ep > 1 else f"cp={options.cp}"
+        title = f"{options.model_name} ({layout}): parallel vs single process"
+    axes.set_title(title)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)
@@ -712,8 +751,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher = "torchrun" if under_torchrun else "built-in launcher"
     fsdp = options.dp_shard * options.dp_replicate > 1
     sharded = f" dp_shard={options.dp_shard} dp_replicate={options.dp_replicate}" if fsdp else ""
+    if uses_layouts(options):
+        sharded += f" cp={options.cp} ({options.cp_attention})" if options.cp > 1 else ""
+        sharded += f" ep={options.ep} ({options.experts} experts)" if options.ep > 1 else ""
+        sharded += " packed documents" if options.packed else ""
     print(
-        f"hp-dmodule demo: llama-ref, tp={options.tp} dp={options.dp}{sharded}"
+        f"hp-dmodule demo: {options.model_name}, tp={options.tp} dp={options.dp}{sharded}"
         + (f" pp={options.pp} ({options.schedule})" if options.pp > 1 else "")
         + f" on {world} "
         f"{options.device} processes ({launcher}); {options.steps} steps, batch "
