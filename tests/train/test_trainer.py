@@ -122,8 +122,22 @@ def test_fine_tuning_from_a_transformers_llama_starts_at_its_loss(tmp_path: Path
         train_samples, seed=0, dp_rank=0, dp=1, local_batch=local, accumulation=accumulation
     ).next_step()
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    # the job packs documents and llama-ref attends within each one (document_ids), so
+    # transformers runs each document alone: the same logits, position for position
     with torch.no_grad():
-        logits = hf(batch.tokens).logits
+        logits = torch.stack(
+            [
+                torch.cat(
+                    [
+                        hf(part.unsqueeze(0)).logits[0]
+                        for part in row.split(
+                            torch.unique_consecutive(docs, return_counts=True)[1].tolist()
+                        )
+                    ]
+                )
+                for row, docs in zip(batch.tokens, batch.document_ids, strict=True)
+            ]
+        )
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
     assert summary.losses[0] == pytest.approx(float(want), rel=1e-5)
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
