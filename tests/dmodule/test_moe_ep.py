@@ -18,7 +18,9 @@ from hyper_parallel.dmodule.layers import MoE, update_load_balance
 from hyper_parallel.dtensor import (
     CommDebugMode,
     DTensor,
+    Partial,
     Replicate,
+    Shard,
     clip_grad_norm_,
     collectives,
     distribute_tensor,
@@ -49,8 +51,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _ep_steps(dims_kwargs: dict[str, Any], fields: dict[str, Any], fsdp: bool) -> None:
-    """3 SGD steps under ``dims`` against the same 3 steps on the full batch in this process."""
+def _ep_steps(
+    dims_kwargs: dict[str, Any], fields: dict[str, Any], fsdp: bool, tp_input: str = ""
+) -> None:
+    """3 SGD steps under ``dims`` against the same 3 steps on the full batch in this process.
+
+    ``tp_input``: the batch rank's rows arrive as a DTensor on the ``tp`` view,
+    ``"replicate"`` (whole on each tp rank) or ``"sequence"`` (``Shard(1)``, uneven).
+    """
     torch.set_num_threads(1)
     dims = ParallelDims(**dims_kwargs)
     cfg = _config(**fields)
@@ -80,16 +88,18 @@ def _ep_steps(dims_kwargs: dict[str, Any], fields: dict[str, Any], fsdp: bool) -
     for step in range(3):
         torch.manual_seed(100 + step)
         x, target = torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM)
-        xs = x[rows].clone().requires_grad_()
-        out = model(xs)
+        mine = _tp_share(x[rows], dims, tp_input)  # this rank's part of its batch rows
+        xs = x[rows][mine].clone().requires_grad_()
+        out = model(_as_tp_input(xs, dims, tp_input))
         # each rank: the mean over its own rows; the reference: the mean over the batch
-        ((out * target[rows]).sum() / (BATCH // ranks)).backward()
+        # (sequence parallel: each tp rank adds its shard's share of that mean)
+        ((_local(out) * target[rows][mine]).sum() / (BATCH // ranks)).backward()
         xr = x.clone().requires_grad_()
         want = ref(xr)
         ((want * target).sum() / BATCH).backward()
-        assert_close_to_scale(_local(out), want[rows], rel=1e-5)
+        assert_close_to_scale(_local(out), want[rows][mine], rel=1e-5)
         assert xs.grad is not None and xr.grad is not None
-        assert_close_to_scale(xs.grad, xr.grad[rows] * ranks, rel=1e-5)
+        assert_close_to_scale(xs.grad, xr.grad[rows][mine] * ranks, rel=1e-5)
         if fsdp:  # gradients on the dense and the expert meshes: one norm, torch's
             norm = clip_grad_norm_(list(model.parameters()), max_norm=1e9)
             want_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm=1e9)
@@ -120,6 +130,29 @@ def _ep_steps(dims_kwargs: dict[str, Any], fields: dict[str, Any], fsdp: bool) -
         assert model.expert_bias is not None and ref.expert_bias is not None
         assert_close_to_scale(model.expert_bias, ref.expert_bias, rel=1e-6)
     assert ref.expert_bias is not None and float(ref.expert_bias.abs().sum()) > 0
+
+
+def _tp_share(rows: torch.Tensor, dims: ParallelDims, tp_input: str) -> tuple[slice, ...]:
+    """The index of this rank's part of ``rows``: its sequence chunk under ``"sequence"``."""
+    if tp_input != "sequence":
+        return (slice(None),)
+    tp = dims.get_mesh("tp")
+    rank, size = tp.get_local_rank("tp"), tp.size()
+    step = -(-rows.shape[1] // size)  # torch.chunk's: ceil, the last chunks shorter or empty
+    return (
+        slice(None),
+        slice(min(rank * step, rows.shape[1]), min((rank + 1) * step, rows.shape[1])),
+    )
+
+
+def _as_tp_input(xs: torch.Tensor, dims: ParallelDims, tp_input: str) -> torch.Tensor:
+    if not tp_input:
+        return xs
+    tp = dims.get_mesh("tp")
+    if tp_input == "replicate":
+        return DTensor.from_local(xs, tp, [Replicate()])
+    shape = (xs.shape[0], SEQ, DIM)
+    return DTensor.from_local(xs, tp, [Shard(1)], shape=shape, stride=(SEQ * DIM, DIM, 1))
 
 
 @pytest.mark.parametrize(
@@ -237,21 +270,58 @@ def test_ep_layouts_that_do_not_fit_the_ranks_are_refused(
         ParallelDims(**kwargs)
 
 
-def _tp_replicated_input_with_ep_borrowing_tp() -> str:
+def _ep_borrowing_tp() -> dict[str, Any]:
+    """ep spanning tp's ranks (etp=1) on both input layouts; the collectives; the refusals."""
     torch.set_num_threads(1)
-    dims = ParallelDims(tp=2, ep=2)  # etp=1: ep takes the tp ranks
+    borrowed = {"dp_shard": 2, "tp": 2, "ep": 2}
+    _ep_steps(borrowed, {"score_func": "softmax", "shared_hidden_dim": 8}, False, "replicate")
+    _ep_steps(borrowed, {"score_func": "sigmoid", "route_norm": True}, False, "sequence")
+    _ep_steps({"tp": 4, "ep": 4}, {"aux_loss_coeff": 0.01}, False, "replicate")
+    _ep_steps({"tp": 4, "ep": 4}, {}, False, "sequence")  # SEQ=3 over 4: one rank has none
+    dims = ParallelDims(**borrowed)
+    torch.manual_seed(0)
     model = _config().build()
     model.init_states()
     model.parallelize(dims)
-    x = DTensor.from_local(torch.randn(2, SEQ, DIM), dims.get_mesh("tp"), [Replicate()])
-    try:
-        model(x)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    found: dict[str, Any] = {}
+    for tp_input in ("replicate", "sequence"):
+        xs = torch.randn(2, SEQ, DIM)[_tp_share(torch.empty(2, SEQ), dims, tp_input)]
+        x = _as_tp_input(xs.requires_grad_(), dims, tp_input)
+        with CommDebugMode() as comm:
+            out = model(x)
+            forward = [(r.kind, r.mesh_axis) for r in comm.records()]
+            _local(out).sum().backward()
+        found[tp_input] = (forward, [(r.kind, r.mesh_axis) for r in comm.records()][len(forward) :])
+    tp = dims.get_mesh("tp")
+    bad = {
+        "partial": DTensor.from_local(torch.randn(2, SEQ, DIM), tp, [Partial()]),
+        "features": DTensor.from_local(torch.randn(2, SEQ, DIM // 2), tp, [Shard(2)]),
+        "replicated-dp": DTensor.from_local(
+            torch.randn(2, SEQ, DIM), dims.get_mesh(("dp_shard", "tp")), [Replicate(), Replicate()]
+        ),
+    }
+    assert model.tokens_per_expert is not None
+    update_load_balance(model, dims)  # counts back to zero
+    for name, x in bad.items():
+        try:
+            model(x)
+            found[name] = "no error"
+        except ValueError as error:
+            found[name] = str(error)
+        assert not model.tokens_per_expert.any(), name  # refused before routing anything
+    return found
 
 
-def test_tp_replicated_tokens_are_refused_when_experts_split_over_ep_only() -> None:
-    for message in run_on_ranks(_tp_replicated_input_with_ep_borrowing_tp, 2, timeout_s=240):
-        assert "replicated over mesh axis 'tp' (2 ranks)" in message
-        assert "expert_tensor_parallel=True" in message
+def test_ep_borrowing_tp_splits_tokens_over_tp_and_equals_one_process() -> None:
+    """etp=1: ep takes tp's ranks; tp-replicated or sequence-parallel tokens are each routed
+    once, the router gradient whole on every tp rank (TorchTitan's TP2EP)."""
+    for found in run_on_ranks(_ep_borrowing_tp, 4, timeout_s=240):
+        a2a, gather = [("all_to_all", "ep")] * 3, ("all_gather", "tp")
+        # replicated: the experts' share goes out; the outputs are all-gathered over tp; the
+        # backward gathers the shares' gradients of the tokens and the routing weights
+        assert found["replicate"] == ([*a2a, gather], [*a2a[:2], gather, gather])
+        # sequence parallel: the router's tokens all-gathered; the output stays the shard
+        assert found["sequence"] == ([gather, *a2a], [*a2a[:2], gather])
+        assert "Partial(reduce_op='sum') over mesh axis 'tp' (2 ranks)" in found["partial"]
+        assert "not Partial or the feature dim 2" in found["features"]
+        assert "replicated over mesh axis 'dp_shard' (2 ranks)" in found["replicated-dp"]

@@ -17,8 +17,16 @@ from hyper_parallel.dmodule.layers.linear import Linear
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.sharding import ShardingConfig
-from hyper_parallel.dmodule.types import MeshAxisName
-from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, collectives
+from hyper_parallel.dmodule.types import MeshAxisName, axis_name
+from hyper_parallel.dtensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    collectives,
+)
 
 __all__ = [
     "GroupedExperts",
@@ -31,6 +39,7 @@ __all__ = [
 
 EP = MeshAxisName.EP
 ETP = "etp"  # not a MeshAxisName member: those are upstream's values
+TP_AXIS = axis_name(MeshAxisName.TP)
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 
@@ -346,30 +355,20 @@ class MoE(Module):
                 self._buffers[name] = torch.zeros(self.config.num_experts, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Route every token of ``x`` (``[..., dim]``) to its top-k experts and combine."""
-        cfg = self.config
-        as_dtensor = x if isinstance(x, DTensor) else None
-        if as_dtensor is not None:
-            _refuse_duplicated_tokens(self.experts, as_dtensor)
-        local = _local(x)
-        tokens = local.reshape(-1, cfg.dim)
-        weights, experts, probs = self.router(tokens, _local_or_none(self.expert_bias))
-        counts = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts)
-        if self.tokens_per_expert is not None:
-            with torch.no_grad():
-                _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
-        if cfg.aux_loss_coeff > 0:
-            share = counts.to(probs.dtype) / tokens.shape[0]
-            self.aux_loss = cfg.aux_loss_coeff * cfg.num_experts * (share * probs.mean(0)).sum()
-        # token-expert pairs grouped by expert (stable: a token's copies keep token order)
-        order = torch.argsort(experts.reshape(-1), stable=True)
-        token_of = order // cfg.top_k
-        routed = _run_experts(self.experts, tokens[token_of], counts)
-        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
-        out = out.reshape(local.shape)
-        if as_dtensor is not None:
-            out = DTensor.from_local(out, as_dtensor.device_mesh, as_dtensor.placements)
+        """Route every token of ``x`` (``[..., dim]``) to its top-k experts and combine.
+
+        A DTensor ``x`` laid out over ``tp`` (``Replicate()``, or sequence-parallel
+        ``Shard(1)``) is met as :func:`_token_layout` says: the router always sees every
+        token of the ``tp`` group; when ``ep`` borrows ``tp``'s ranks each rank runs the
+        experts on its share only. The output keeps ``x``'s layout.
+        """
+        out: torch.Tensor
+        if isinstance(x, DTensor):
+            out = self._forward_dtensor(x)
+        else:
+            tokens = x.reshape(-1, self.config.dim)
+            weights, chosen = self._route(tokens)
+            out = self._combine(tokens, weights, chosen).reshape(x.shape)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if isinstance(shared, DTensor) and not isinstance(out, DTensor):
@@ -377,27 +376,149 @@ class MoE(Module):
             out = out + shared
         return out
 
+    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router on ``tokens`` ``[T, dim]``; the balance statistics count these tokens."""
+        cfg = self.config
+        weights, chosen, probs = self.router(tokens, _local_or_none(self.expert_bias))
+        if self.tokens_per_expert is None and cfg.aux_loss_coeff == 0:
+            return weights, chosen
+        counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts)
+        if self.tokens_per_expert is not None:
+            with torch.no_grad():
+                _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
+        if cfg.aux_loss_coeff > 0:
+            share = counts.to(probs.dtype) / tokens.shape[0]
+            self.aux_loss = cfg.aux_loss_coeff * cfg.num_experts * (share * probs.mean(0)).sum()
+        return weights, chosen
 
-def _refuse_duplicated_tokens(experts: GroupedExperts, x: DTensor) -> None:
-    """Raise if ``x`` is replicated over an axis while experts are split only over ``ep``.
+    def _combine(
+        self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """``tokens`` ``[T, dim]`` through their ``chosen`` experts, summed with ``weights``."""
+        cfg = self.config
+        counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts)
+        # token-expert pairs grouped by expert (stable: a token's copies keep token order)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        token_of = order // cfg.top_k
+        routed = _run_experts(self.experts, tokens[token_of], counts)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
+        return torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
 
-    Each rank would send the same tokens to the experts, so their gradients would count
-    every token once per rank of that axis.
-    """
-    _, ep, etp = _expert_axes(experts)
-    if not ep or etp:
-        return
-    names = x.device_mesh.mesh_dim_names or ()
-    for i, placement in enumerate(x.placements):
-        if isinstance(placement, Replicate) and x.device_mesh.size(i) > 1:
-            axis = names[i] if i < len(names) else i
-            raise ValueError(
-                f"MoE: the input is replicated over mesh axis {axis!r} "
-                f"({x.device_mesh.size(i)} ranks) while the experts are split over 'ep' only, "
-                "so each token would reach its experts once per rank of that axis; expected "
-                "distinct tokens per rank (e.g. sequence-parallel Shard(1) input) or "
-                "expert_tensor_parallel=True with ParallelDims(etp=tp)"
+    def _forward_dtensor(self, x: DTensor) -> DTensor:
+        """The forward of a DTensor ``x``, its tokens met over ``tp`` as :func:`_token_layout` says."""
+        cfg = self.config
+        mesh, placements = x.device_mesh, tuple(x.placements)
+        layout = _token_layout(self.experts, x)
+        if layout is None:  # every rank's tokens are its own (data-parallel shards)
+            local = x.to_local()
+            tokens = local.reshape(-1, cfg.dim)
+            weights, chosen = self._route(tokens)
+            out = self._combine(tokens, weights, chosen).reshape(local.shape)
+            return DTensor.from_local(out, mesh, placements, shape=x.shape, stride=x.stride())
+        axis, split = layout
+        whole_layout = (*placements[:axis], Replicate(), *placements[axis + 1 :])
+        # The router sees every token of the tp group (sequence shards all-gathered), so its
+        # gradient and the balance statistics are whole on each tp rank, as one process's.
+        whole = x.redistribute(mesh, whole_layout).to_local()
+        tokens = whole.reshape(-1, cfg.dim)
+        weights, chosen = self._route(tokens)
+        if not split:  # the experts are whole (or split by etp) on each tp rank: run them all
+            out = self._combine(tokens, weights, chosen).reshape(whole.shape)
+            replicated = DTensor.from_local(
+                out, mesh, whole_layout, shape=x.shape, stride=x.stride()
             )
+            return replicated.redistribute(mesh, placements)
+        # ep borrows tp: each tp rank sends only its share of the tokens to the experts
+        tp_mesh = mesh[_axis_names(mesh)[axis]]
+        share = placements[axis]
+        token_shape: tuple[int, ...]
+        if isinstance(share, Shard):  # sequence parallel: my share is my shard
+            token_shape = tuple(whole.shape[:-1])
+            mine = x.to_local().reshape(-1, cfg.dim)
+        else:  # replicated: the flattened tokens, in tp contiguous chunks
+            share, token_shape = Shard(0), (tokens.shape[0],)
+            mine = _take_share(tokens, tp_mesh, share)
+        k = cfg.top_k
+        my_weights = _take_share(weights.reshape(*token_shape, k), tp_mesh, share).reshape(-1, k)
+        my_chosen = _take_share(chosen.reshape(*token_shape, k), tp_mesh, share).reshape(-1, k)
+        out = self._combine(mine, my_weights, my_chosen)
+        if placements[axis] == share:  # sequence parallel: the output stays my shard
+            out = out.reshape(x.to_local().shape)
+        else:
+            out = _gather_shares(out, tp_mesh, share, (tokens.shape[0], cfg.dim))
+            out = out.reshape(whole.shape)
+        return DTensor.from_local(out, mesh, placements, shape=x.shape, stride=x.stride())
+
+
+def _axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or (str(i) for i in range(mesh.ndim)))
+
+
+def _token_layout(experts: GroupedExperts, x: DTensor) -> tuple[int, bool] | None:
+    """Where ``x``'s tokens lie over ``tp`` and whether each tp rank runs only its share.
+
+    None: no ``tp`` axis of more than one rank (the tokens on each rank are its own).
+    Else ``(tp's index in x's mesh, split)``: ``split`` when the experts are split over
+    ``ep`` and not ``etp`` (``ParallelDims(etp=1)``, where ``ep`` borrows ``tp``'s ranks,
+    as TorchTitan's): each tp rank sends 1/tp of the tokens to the experts, and the
+    outputs are gathered back. Otherwise (experts whole, or split by ``etp``) every tp
+    rank runs every token, as the replicated or hidden-split experts expect.
+
+    Raises, before anything runs, for a ``Partial`` input or one split over its feature
+    dim (no rank holds a whole token), and for an input replicated over an axis other
+    than ``tp`` while the experts are split over ``ep`` only (each token would reach its
+    experts once per rank of that axis).
+    """
+    names = _axis_names(x.device_mesh)
+    _, ep, etp = _expert_axes(experts)
+    tp_axis = None
+    for i, placement in enumerate(x.placements):
+        size = x.device_mesh.size(i)
+        if size == 1:
+            continue
+        feature_split = isinstance(placement, Shard) and placement.dim % x.ndim == x.ndim - 1
+        if isinstance(placement, Partial) or feature_split:
+            raise ValueError(
+                f"MoE: the input is {placement} over mesh axis {names[i]!r} ({size} ranks); "
+                "expected whole tokens on each rank: Replicate() or Shard of a token dim "
+                f"(e.g. sequence-parallel Shard(1)), not Partial or the feature dim {x.ndim - 1}"
+            )
+        if names[i] == TP_AXIS:
+            tp_axis = i
+        elif isinstance(placement, Replicate) and ep and not etp:
+            raise ValueError(
+                f"MoE: the input is replicated over mesh axis {names[i]!r} ({size} ranks) "
+                "while the experts are split over 'ep' only, so each token would reach its "
+                "experts once per rank of that axis; expected distinct tokens per rank "
+                f"(Shard of a token dim) on every axis but {TP_AXIS!r}, whose tokens the "
+                "layer shares out itself"
+            )
+    if tp_axis is None:
+        return None
+    return tp_axis, ep and not etp
+
+
+def _take_share(t: torch.Tensor, mesh: DeviceMesh, share: Shard) -> torch.Tensor:
+    """This rank's ``share`` of ``t``, whole on every rank of the 1-D ``mesh``.
+
+    The gradient, one share per rank, is all-gathered back whole (``Replicate`` -> ``Shard``
+    and back, torch's redistribute), so what reads ``t`` whole gets every token's.
+    """
+    spread = DTensor.from_local(t, mesh, [Replicate()]).redistribute(mesh, [share])
+    return spread.to_local()
+
+
+def _gather_shares(
+    t: torch.Tensor, mesh: DeviceMesh, share: Shard, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Every rank's ``share`` of the 1-D ``mesh`` all-gathered into the whole ``shape``.
+
+    The gradient, whole on every rank (the output is replicated), comes back as this
+    rank's share.
+    """
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    shares = DTensor.from_local(t, mesh, [share], shape=shape, stride=stride)
+    return shares.redistribute(mesh, [Replicate()]).to_local()
 
 
 def _local_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
