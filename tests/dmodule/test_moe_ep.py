@@ -110,7 +110,7 @@ def _ep_steps(
             ):
                 assert p.grad is not None and q.grad is not None, name
                 grad = _full(p.grad)
-                routed = name.startswith("experts.")
+                routed = name.startswith("experts.") and dims.ep > 1
                 if not fsdp and not routed:  # replicated: average over the data ranks
                     grad = collectives.all_reduce(grad, batch_mesh, "batch", "avg")
                 elif not fsdp:  # an expert: its owner summed the mean losses of its ep group
@@ -278,6 +278,10 @@ def _ep_borrowing_tp() -> dict[str, Any]:
     _ep_steps(borrowed, {"score_func": "sigmoid", "route_norm": True}, False, "sequence")
     _ep_steps({"tp": 4, "ep": 4}, {"aux_loss_coeff": 0.01}, False, "replicate")
     _ep_steps({"tp": 4, "ep": 4}, {}, False, "sequence")  # SEQ=3 over 4: one rank has none
+    # experts whole on each tp rank (split by etp, or not at all): sequence shards gathered
+    etp = {"dp_shard": 2, "tp": 2, "ep": 2, "etp": 2}
+    _ep_steps(etp, {"expert_tensor_parallel": True}, False, "sequence")
+    _ep_steps({"dp_shard": 2, "tp": 2}, {}, False, "sequence")
     dims = ParallelDims(**borrowed)
     torch.manual_seed(0)
     model = _config().build()
