@@ -1,7 +1,8 @@
-"""Expert parallelism: the MoE layer on ep=2/4 (with etp=tp, with FSDP of experts on efsdp)
-equals one process computing the whole batch, for 3 steps (outputs, router and expert
-gradients, the aux-loss-free bias); DCP checkpoints reshard across ep; the all-to-alls are
-counted; bad layouts are refused on every rank before anything changes."""
+"""Expert parallelism: the MoE layer on ep=2/4 (with etp=tp, with FSDP of experts on efsdp,
+with ep borrowing tp's ranks on tp-replicated or sequence-parallel input) equals one process
+computing the whole batch, for 3 steps (outputs, input, router and expert gradients, the
+aux-loss-free bias); DCP checkpoints reshard across ep; the collectives are counted; bad
+layouts and inputs are refused on every rank before anything changes."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def _ep_steps(
         out = model(_as_tp_input(xs, dims, tp_input))
         # each rank: the mean over its own rows; the reference: the mean over the batch
         # (sequence parallel: each tp rank adds its shard's share of that mean)
-        ((_local(out) * target[rows][mine]).sum() / (BATCH // ranks)).backward()
+        ((_local(out) * target[rows][mine]).sum() / (BATCH // ranks)).backward()  # type: ignore[no-untyped-call]
         xr = x.clone().requires_grad_()
         want = ref(xr)
         ((want * target).sum() / BATCH).backward()
@@ -294,7 +295,7 @@ def _ep_borrowing_tp() -> dict[str, Any]:
         with CommDebugMode() as comm:
             out = model(x)
             forward = [(r.kind, r.mesh_axis) for r in comm.records()]
-            _local(out).sum().backward()
+            _local(out).sum().backward()  # type: ignore[no-untyped-call]
         found[tp_input] = (forward, [(r.kind, r.mesh_axis) for r in comm.records()][len(forward) :])
     tp = dims.get_mesh("tp")
     bad = {

@@ -358,9 +358,9 @@ class MoE(Module):
         """Route every token of ``x`` (``[..., dim]``) to its top-k experts and combine.
 
         A DTensor ``x`` laid out over ``tp`` (``Replicate()``, or sequence-parallel
-        ``Shard(1)``) is met as :func:`_token_layout` says: the router always sees every
-        token of the ``tp`` group; when ``ep`` borrows ``tp``'s ranks each rank runs the
-        experts on its share only. The output keeps ``x``'s layout.
+        ``Shard(1)``): the router sees every token of the ``tp`` group; when ``ep``
+        borrows ``tp``'s ranks (``ParallelDims(etp=1)``) each rank runs the experts on
+        its share of them only. The output keeps ``x``'s layout.
         """
         out: torch.Tensor
         if isinstance(x, DTensor):
