@@ -698,18 +698,34 @@ def _managed_params(
                             "fully_shard([a, b]) call"
                         )
     for p, where_list in slots.items():
-        if isinstance(p, DTensor) and p.device_mesh.ndim != 1:
+        if isinstance(p, DTensor) and p.device_mesh.ndim > 2:
             raise ValueError(
                 f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
                 f"is a DTensor on a {p.device_mesh.ndim}-D mesh; fully_shard composes with a 1-D "
-                "TP mesh only"
+                "(TP or EP) or 2-D (EP x TP) mesh, as torch"
             )
-        if isinstance(p, DTensor) and p.placements[0].is_partial():
+        if isinstance(p, DTensor) and _cut_twice(p):
+            raise ValueError(
+                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
+                f"has placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: two "
+                "axes split the same dim; expected each dim split by one axis at most"
+            )
+        if isinstance(p, DTensor) and any(q.is_partial() for q in p.placements):
             raise ValueError(
                 f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
                 f"has placements {p.placements}; expected Shard or Replicate"
             )
     return slots
+
+
+def _cut_twice(p: DTensor) -> bool:
+    """Whether two mesh axes of more than one rank shard the same dim of ``p``."""
+    dims = [
+        q.dim
+        for i, q in enumerate(p.placements)
+        if isinstance(q, Shard) and p.device_mesh.size(i) > 1
+    ]
+    return len(dims) != len(set(dims))
 
 
 def _fqn(modules: tuple[nn.Module, ...], slot: Slot) -> str:

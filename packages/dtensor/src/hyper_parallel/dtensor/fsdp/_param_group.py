@@ -424,25 +424,29 @@ def spmd_layout(
     if not isinstance(param, DTensor):
         return info.mesh, tuple(dp_placements)
     tp_mesh = param.device_mesh
-    (tp_placement,) = param.placements
+    tp_names = [*tp_mesh.mesh_dim_names]  # type: ignore[misc]
+    tp_placements = tuple(param.placements)
     assert callable(find_joint)
-    tp_size = tp_mesh.size()
-    if tp_placement == Shard(shard_dim) and tp_size > 1:
-        if _strided_is_nested(param.shape[shard_dim], info.shard_size, tp_size):
+    # torch's split_factor: the pieces the parameter's own (TP/EP) axes cut FSDP's dim into
+    cutting = [i for i, p in enumerate(tp_placements) if p == Shard(shard_dim)]
+    split = math.prod(tp_mesh.size(i) for i in cutting)
+    if split > 1:
+        if _strided_is_nested(param.shape[shard_dim], info.shard_size, split):
             # torch's layout: dp's chunk of each TP shard, described from the dp axis
-            dp_placements[-1] = _StridedShard(shard_dim, sf=tp_size)
-            names = [info.axis_name(a) for a in dp_axes] + [*tp_mesh.mesh_dim_names]  # type: ignore[misc]
-            return find_joint(tuple(names)), (*dp_placements, tp_placement)  # type: ignore[operator,no-any-return]
+            dp_placements[-1] = _StridedShard(shard_dim, sf=split)
+            names = [info.axis_name(a) for a in dp_axes] + tp_names
+            return find_joint(tuple(names)), (*dp_placements, *tp_placements)  # type: ignore[operator,no-any-return]
         # sizes where torch's _StridedShard would name other rows than FSDP holds: nested
-        # in mesh order, tp's axis before dp's shard axis (the same shards, stated exactly)
-        names = [info.axis_name(a) for a in dp_axes[:-1]] + [
-            *tp_mesh.mesh_dim_names,  # type: ignore[misc]
+        # in mesh order, tp's axes before dp's shard axis (the same shards, stated exactly)
+        names = [
+            *(info.axis_name(a) for a in dp_axes[:-1]),
+            *tp_names,
             info.axis_name(info.shard_axis),
         ]
-        placements = [*dp_placements[:-1], tp_placement, Shard(shard_dim)]
+        placements = [*dp_placements[:-1], *tp_placements, Shard(shard_dim)]
     else:
-        names = [info.axis_name(a) for a in dp_axes] + [*tp_mesh.mesh_dim_names]  # type: ignore[misc]
-        placements = [*dp_placements, tp_placement]
+        names = [info.axis_name(a) for a in dp_axes] + tp_names
+        placements = [*dp_placements, *tp_placements]
     joint: DeviceMesh = find_joint(tuple(names))
     return joint, tuple(placements)
 
