@@ -272,7 +272,8 @@ def test_ep_layouts_that_do_not_fit_the_ranks_are_refused(
 
 
 def _ep_borrowing_tp() -> dict[str, Any]:
-    """ep spanning tp's ranks (etp=1) on both input layouts; the collectives; the refusals."""
+    """ep spanning tp's ranks (etp=1) on both input layouts, the other expert layouts on
+    sequence-parallel input, FSDP of (ep, etp) experts; the collectives; the refusals."""
     torch.set_num_threads(1)
     borrowed = {"dp_shard": 2, "tp": 2, "ep": 2}
     _ep_steps(borrowed, {"score_func": "softmax", "shared_hidden_dim": 8}, False, "replicate")
@@ -283,6 +284,8 @@ def _ep_borrowing_tp() -> dict[str, Any]:
     etp = {"dp_shard": 2, "tp": 2, "ep": 2, "etp": 2}
     _ep_steps(etp, {"expert_tensor_parallel": True}, False, "sequence")
     _ep_steps({"dp_shard": 2, "tp": 2}, {}, False, "sequence")
+    # experts on the 2-D (ep, etp) view under fully_shard over efsdp (size 1 on 4 ranks)
+    _ep_steps(etp, {"expert_tensor_parallel": True}, True)
     dims = ParallelDims(**borrowed)
     torch.manual_seed(0)
     model = _config().build()

@@ -54,8 +54,8 @@ def expert_sharding(*, etp: bool = False) -> ShardingConfig:
 
     With ``etp=True``, ``w1``/``w3`` (``[E, hidden, dim]``) split their hidden dim over
     ``etp`` and ``w2`` (``[E, dim, hidden]``) its input dim, a column- then row-parallel
-    pair. Without it the experts live on the 1-D ``ep`` view, which ``fully_shard`` over
-    ``efsdp`` composes with.
+    pair. Without it the experts live on the 1-D ``ep`` view, with it on ``(ep, etp)``;
+    ``fully_shard`` over ``efsdp`` composes with either.
 
     Example::
 
