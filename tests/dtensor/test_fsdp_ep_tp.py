@@ -78,12 +78,16 @@ def _train(api: Api | None, shape: tuple[int, int, int]) -> dict[str, Any]:
     out["params"] = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     if api is not None:
         out["layouts"] = {n: layout(p) for n, p in model.named_parameters()}
-        out["locals"] = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        out["locals"] = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     return out
 
 
 def _full(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
 
 
 def _both_layouts() -> dict[str, Any]:
