@@ -101,9 +101,13 @@ def head_tail_order(seq: int, cp: int, device: torch.device | str | None = None)
     return torch.cat([head_tail_index(seq, cp, r, device) for r in range(cp)])
 
 
-def check_document_ids(document_ids: torch.Tensor, tokens: torch.Tensor, *, where: str) -> None:
+def check_document_ids(
+    document_ids: torch.Tensor, tokens: torch.Tensor | tuple[int, int], *, where: str
+) -> None:
     """Raise a ``ValueError`` unless ``document_ids`` is an int ``[batch, seq]`` like ``tokens``,
     starting at 0 and non-decreasing along each row.
+
+    ``tokens`` is the token tensor, or its ``(batch, seq)``.
 
     Example::
 
@@ -117,9 +121,10 @@ def check_document_ids(document_ids: torch.Tensor, tokens: torch.Tensor, *, wher
             f"{where}: expected document_ids as an integer tensor, found "
             f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}"
         )
-    if document_ids.shape != tokens.shape[:2] or document_ids.ndim != 2:
+    shape = list(tokens.shape[:2] if isinstance(tokens, torch.Tensor) else tokens)
+    if list(document_ids.shape) != shape or document_ids.ndim != 2:
         raise ValueError(
-            f"{where}: expected document_ids of shape [batch, seq] = {list(tokens.shape[:2])} "
+            f"{where}: expected document_ids of shape [batch, seq] = {shape} "
             f"(the tokens' shape), found {list(document_ids.shape)}"
         )
     if document_ids.numel() == 0:
