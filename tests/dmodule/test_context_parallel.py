@@ -248,6 +248,13 @@ def _pipeline_train(
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     opt_par = torch.optim.AdamW(mine.values(), lr=1e-2, foreach=False)
     docs = {"document_ids": _documents()} if packed else {}
+    tokens, targets = _batch(0, seq=SEQ - 2)  # 14 tokens: not 2 * cp = 4 equal chunks
+    short = {name: ids[:, : SEQ - 2] for name, ids in docs.items()}
+    try:
+        pipe.step(tokens, target=targets, **short)
+        refused = "no error"
+    except ValueError as error:  # on every rank, before the schedule exchanged anything
+        refused = str(error)
     losses = 0
     for step in range(STEPS):
         tokens, targets = _batch(step)
@@ -266,7 +273,13 @@ def _pipeline_train(
         opt_par.zero_grad()
     for name, p in mine.items():
         worst["params"] = max(worst["params"], _rel(_full(p), theirs[name].detach()))
-    return {"worst": worst, "held": sorted(mine), "losses": losses, "all": sorted(theirs)}
+    return {
+        "worst": worst,
+        "held": sorted(mine),
+        "losses": losses,
+        "all": sorted(theirs),
+        "refused": refused,
+    }
 
 
 def _cp_runs(cp: int) -> dict[str, Any]:
@@ -363,6 +376,9 @@ def test_pp2_x_cp2_pipeline_matches_one_process_after_three_adamw_steps(
     # the two stages hold every parameter between them; the last stage's two cp ranks the loss
     assert sorted({n for r in results for n in r["held"]}) == results[0]["all"]
     assert sum(r["losses"] for r in results) == 2 * STEPS
+    for result in results:  # a sequence of 14 tokens, refused by every rank; training goes on
+        assert "2 * cp = 4 equal chunks" in result["refused"], result["refused"]
+        assert "found seq = 14" in result["refused"], result["refused"]
     for result in results:
         worst = result["worst"]
         assert worst["init"] == 0.0, "the stages' init differs from one process's"

@@ -312,6 +312,36 @@ class Llama(BaseModel):
             share = loss_fn(logits, local_targets) * (count / max(total, 1))
         return reduce_loss(share, layout.cp)
 
+    def check_batch(
+        self,
+        tokens: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Raise the ``ValueError`` :meth:`forward` or :meth:`loss` would, from what is given.
+
+        ``document_ids`` against the tokens' or targets' shape; under context parallelism,
+        the sequence length against ``2 * cp`` chunks. A pipeline stage calls it with what
+        its rank holds before the schedule runs, so that every rank refuses a bad batch.
+
+        Example::
+
+            >>> Llama.Config().build().check_batch(
+            ...     torch.zeros(1, 4, dtype=torch.long), document_ids=torch.zeros(1, 3, dtype=torch.long))
+            Traceback (most recent call last):
+            ...
+            ValueError: Llama: expected document_ids of shape [batch, seq] = [1, 4] (the tokens' shape), found [1, 3]
+        """
+        if tokens is not None and targets is not None and targets.shape != tokens.shape:
+            raise ValueError(
+                f"Llama: expected targets of the tokens' shape {list(tokens.shape)}, found "
+                f"{list(targets.shape)}"
+            )
+        for given in (tokens, targets, document_ids):
+            if given is not None:
+                self.layout(given, document_ids)
+
     def layout(
         self,
         tokens: torch.Tensor,

@@ -328,7 +328,10 @@ class Pipeline:
         :func:`microbatch_weights`), as one process computes it. Gradients accumulate
         into the parts' ``.grad`` and equal the full batch's (torch's schedules divide
         them by ``n_microbatches``: ``loss_fn`` must average, as a mean cross-entropy
-        does). Every rank of the pipeline calls it.
+        does). Every rank of the pipeline calls it. A part with a ``check_batch(inputs,
+        target, **forward_inputs)`` method first checks what its rank holds of the batch
+        (``None`` for what it does not), so that a bad batch is refused before the
+        schedule exchanges anything.
 
         Example::
 
@@ -347,6 +350,15 @@ class Pipeline:
                 "Pipeline.step: this rank holds the last stage and needs the target to compute "
                 "the loss; found None"
             )
+        # every rank refuses what it can see of a bad batch before any exchange starts
+        for module in self._modules:
+            check = getattr(module.part, "check_batch", None)
+            if callable(check):
+                check(
+                    inputs if module.plan.is_first else None,
+                    target if module.plan.is_last else None,
+                    **forward_inputs,
+                )
         n = self.n_microbatches
         split = {name: value.tensor_split(n) for name, value in forward_inputs.items()}
         kwarg_mbs = [{name: chunks[i] for name, chunks in split.items()} for i in range(n)]
