@@ -18,7 +18,7 @@ from hyper_parallel.dmodule.context_parallel import (
     head_tail_index,
     head_tail_order,
 )
-from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama
+from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama, pipeline_llama
 from hyper_parallel.dtensor import DeviceMesh, DTensor, init_device_mesh
 
 VOCAB, BATCH, SEQ, STEPS = 48, 2, 16, 3
@@ -216,6 +216,72 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.detach() - want).abs().max()) / scale
 
 
+def _pipeline_train(
+    algorithm: str,
+    layout: tuple[tuple[int, ...], tuple[str, ...]] | ParallelDims,
+    *,
+    packed: bool = False,
+) -> dict[str, Any]:
+    """pp=2 x cp=2: train this rank's stage and a one-process model; the worst differences.
+
+    Two microbatches of one row each, with different counts of ignored targets.
+    """
+    target: DeviceMesh | ParallelDims = (
+        layout
+        if isinstance(layout, ParallelDims)
+        else init_device_mesh("cpu", layout[0], mesh_dim_names=layout[1])
+    )
+    config = _tiny(context_parallel=algorithm)
+    with torch.device("meta"):
+        model = config.build()
+    pipe = pipeline_llama(model, target, {"pipeline": {"schedule": "1F1B", "n_microbatches": 2}})
+    torch.manual_seed(0)
+    pipe.init_weights()
+    torch.manual_seed(0)
+    ref = config.build()
+    ref.init_weights()
+    mine = {name: p for part in pipe.model_parts for name, p in part.named_parameters()}
+    theirs = dict(ref.named_parameters())
+    worst = {"init": 0.0, "loss": 0.0, "grads": 0.0, "params": 0.0}
+    for name, p in mine.items():
+        worst["init"] = max(worst["init"], _rel(_full(p), theirs[name].detach()))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt_par = torch.optim.AdamW(mine.values(), lr=1e-2, foreach=False)
+    docs = {"document_ids": _documents()} if packed else {}
+    tokens, targets = _batch(0, seq=SEQ - 2)  # 14 tokens: not 2 * cp = 4 equal chunks
+    short = {name: ids[:, : SEQ - 2] for name, ids in docs.items()}
+    try:
+        pipe.step(tokens, target=targets, **short)
+        refused = "no error"
+    except ValueError as error:  # on every rank, before the schedule exchanged anything
+        refused = str(error)
+    losses = 0
+    for step in range(STEPS):
+        tokens, targets = _batch(step)
+        want = ref.loss(tokens, targets, **docs)
+        want.backward()
+        loss = pipe.step(tokens, target=targets, **docs)
+        if loss is not None:
+            losses += 1
+            worst["loss"] = max(worst["loss"], abs(loss.item() - want.item()) / want.item())
+        for name, p in mine.items():
+            assert p.grad is not None, f"{name} got no gradient"
+            worst["grads"] = max(worst["grads"], _rel(_full(p.grad), theirs[name].grad))
+        opt_ref.step()
+        opt_par.step()
+        opt_ref.zero_grad()
+        opt_par.zero_grad()
+    for name, p in mine.items():
+        worst["params"] = max(worst["params"], _rel(_full(p), theirs[name].detach()))
+    return {
+        "worst": worst,
+        "held": sorted(mine),
+        "losses": losses,
+        "all": sorted(theirs),
+        "refused": refused,
+    }
+
+
 def _cp_runs(cp: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = ((cp,), ("cp",))
@@ -234,6 +300,10 @@ def _cp_runs(cp: int) -> dict[str, Any]:
         )
         out["ring-cp2xdp_shard2"] = _train("ring", ParallelDims(dp_shard=2, cp=2), packed=True)
         out["allgather-cp2xdp_shard2-mesh"] = _train("allgather", ((2, 2), ("dp_shard", "cp")))
+        out["pp2xcp2-allgather-mesh"] = _pipeline_train("allgather", ((2, 2), ("pp", "cp")))
+        out["pp2xcp2-ring-packed-dims"] = _pipeline_train(
+            "ring", ParallelDims(pp=2, cp=2), packed=True
+        )
     return out
 
 
@@ -243,8 +313,13 @@ def cp2() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cp4() -> dict[str, Any]:
-    return run_on_ranks(_cp_runs, 4, 4, timeout_s=300)[0]
+def cp4_ranks() -> list[dict[str, Any]]:
+    return run_on_ranks(_cp_runs, 4, 4, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def cp4(cp4_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    return cp4_ranks[0]
 
 
 def _check(result: dict[str, Any]) -> None:
@@ -291,3 +366,22 @@ def test_cp2_x_tp2_local_map_from_parallel_dims_matches_one_process(cp4: dict[st
 @pytest.mark.parametrize("name", ["ring-cp2xdp_shard2", "allgather-cp2xdp_shard2-mesh"])
 def test_cp2_x_dp_shard2_fsdp_matches_one_process(cp4: dict[str, Any], name: str) -> None:
     _check(cp4[name])
+
+
+@pytest.mark.parametrize("name", ["pp2xcp2-allgather-mesh", "pp2xcp2-ring-packed-dims"])
+def test_pp2_x_cp2_pipeline_matches_one_process_after_three_adamw_steps(
+    cp4_ranks: list[dict[str, Any]], name: str
+) -> None:
+    results = [rank[name] for rank in cp4_ranks]
+    # the two stages hold every parameter between them; the last stage's two cp ranks the loss
+    assert sorted({n for r in results for n in r["held"]}) == results[0]["all"]
+    assert sum(r["losses"] for r in results) == 2 * STEPS
+    for result in results:  # a sequence of 14 tokens, refused by every rank; training goes on
+        assert "2 * cp = 4 equal chunks" in result["refused"], result["refused"]
+        assert "found seq = 14" in result["refused"], result["refused"]
+    for result in results:
+        worst = result["worst"]
+        assert worst["init"] == 0.0, "the stages' init differs from one process's"
+        assert worst["loss"] < 1e-5, f"loss differs by {worst['loss']} (relative)"
+        assert worst["grads"] < 1e-4, f"gradients differ by {worst['grads']} (relative)"
+        assert worst["params"] < 1e-4, f"params after AdamW differ by {worst['params']} (relative)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from hyper_parallel.dmodule import MeshAxisName, ModelSpec
@@ -24,6 +25,7 @@ from hyper_parallel.dmodule.pipeline import (
     StageLayers,
     build_stage,
     even_starts,
+    microbatch_weights,
     plan_stages,
     stage_owner,
 )
@@ -69,6 +71,38 @@ def test_chained_stages_compute_the_full_models_logits() -> None:
     for plan in plans:
         h = build_stage(model, LLAMA_PIPELINE_SPLIT, plan)(h)
     torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)
+
+
+def test_chained_stages_given_document_ids_compute_the_packed_models_logits() -> None:
+    model = CONFIG.build()
+    torch.manual_seed(0)
+    model.init_weights()
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])
+    h: torch.Tensor = tokens
+    for plan in plan_stages(model, LLAMA_PIPELINE_SPLIT, 2):
+        h = build_stage(model, LLAMA_PIPELINE_SPLIT, plan)(h, document_ids=docs)
+    torch.testing.assert_close(h, model(tokens, document_ids=docs), rtol=0, atol=0)
+    assert not torch.equal(h, model(tokens)), "the documents change the logits"
+
+
+def test_microbatch_weights_make_the_mean_of_microbatch_means_the_batch_mean() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 5)
+    targets = torch.randint(0, 5, (4, 6))
+    targets[0, :4] = -100
+    targets[3, 2] = -100
+    micro_targets = list(targets.tensor_split(2))
+    weights = microbatch_weights(micro_targets)
+    assert weights is not None
+    means = [
+        F.cross_entropy(chunk.flatten(0, 1), t.flatten())
+        for chunk, t in zip(logits.tensor_split(2), micro_targets, strict=True)
+    ]
+    weighted = torch.stack([m * w for m, w in zip(means, weights, strict=True)]).mean()
+    whole = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(weighted, whole)
+    assert microbatch_weights(list(torch.ones(4, 6).long().tensor_split(2))) is None
 
 
 def test_a_stage_stands_in_pass_throughs_for_other_stages_parts() -> None:

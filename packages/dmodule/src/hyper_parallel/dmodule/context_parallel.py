@@ -101,9 +101,13 @@ def head_tail_order(seq: int, cp: int, device: torch.device | str | None = None)
     return torch.cat([head_tail_index(seq, cp, r, device) for r in range(cp)])
 
 
-def check_document_ids(document_ids: torch.Tensor, tokens: torch.Tensor, *, where: str) -> None:
+def check_document_ids(
+    document_ids: torch.Tensor, tokens: torch.Tensor | tuple[int, int], *, where: str
+) -> None:
     """Raise a ``ValueError`` unless ``document_ids`` is an int ``[batch, seq]`` like ``tokens``,
     starting at 0 and non-decreasing along each row.
+
+    ``tokens`` is the token tensor, or its ``(batch, seq)``.
 
     Example::
 
@@ -117,9 +121,10 @@ def check_document_ids(document_ids: torch.Tensor, tokens: torch.Tensor, *, wher
             f"{where}: expected document_ids as an integer tensor, found "
             f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}"
         )
-    if document_ids.shape != tokens.shape[:2] or document_ids.ndim != 2:
+    shape = list(tokens.shape[:2] if isinstance(tokens, torch.Tensor) else tokens)
+    if list(document_ids.shape) != shape or document_ids.ndim != 2:
         raise ValueError(
-            f"{where}: expected document_ids of shape [batch, seq] = {list(tokens.shape[:2])} "
+            f"{where}: expected document_ids of shape [batch, seq] = {shape} "
             f"(the tokens' shape), found {list(document_ids.shape)}"
         )
     if document_ids.numel() == 0:
@@ -614,42 +619,70 @@ def _shift(tensor: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     return collectives.send_recv(tensor.contiguous(), cp.mesh, CP_AXIS, async_op=True)
 
 
+@dataclass(frozen=True)
+class _RingBlock:
+    """A sub-block of a ring step that the mask does not hide entirely.
+
+    ``q``/``kv``: slices into the local queries and the step's key/value block;
+    ``mask``: ``[b|1, 1, 1, q, kv]``; ``k``/``v``: the keys and values of ``kv`` in float32,
+    ``(b, kv_h, 1, kv, d)``.
+    """
+
+    q: slice
+    kv: slice
+    mask: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _ring_steps(layout: TokenLayout, kv: torch.Tensor) -> Iterator[list[_RingBlock]]:
+    """The ring's traversal, the same for forward and backward: each step's visible blocks.
+
+    Step ``s`` holds the keys and values (``kv``: ``[2, b, kv_h, s_local, d]``) of cp rank
+    ``rank - s``; the transfer of the next step's block is issued before the step is
+    handed out, so that it overlaps the caller's compute, and waited for when the caller
+    asks for the next step.
+    """
+    cp = layout.cp
+    assert cp is not None
+    for step in range(cp.size):
+        pending = _shift(kv, cp) if step < cp.size - 1 else None
+        source = (cp.rank - step) % cp.size
+        blocks = []
+        for qs, q_index in layout.pieces(layout.index):
+            for ks, k_index in layout.pieces(layout.rank_index(source)):
+                mask = _visible(layout, q_index, k_index)
+                if mask is not None:
+                    k, v = (kv[i][:, :, ks].float().unsqueeze(2) for i in (0, 1))
+                    blocks.append(_RingBlock(qs, ks, mask, k, v))
+        yield blocks
+        if pending is not None:
+            kv = collectives.wait(pending)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout
     ) -> torch.Tensor:
-        cp = layout.cp
-        assert cp is not None
         scale = 1.0 / math.sqrt(q.shape[-1])
         qg = _grouped(q, k.shape[1]).float()
         b, kvh, rep, s, _ = qg.shape
         acc = torch.zeros(b, kvh, rep, s, v.shape[-1], dtype=torch.float32, device=q.device)
         row_max = torch.full((b, kvh, rep, s), -math.inf, dtype=torch.float32, device=q.device)
         row_sum = torch.zeros(b, kvh, rep, s, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        for step in range(cp.size):
-            pending = _shift(kv, cp) if step < cp.size - 1 else None  # overlaps the compute
-            source = (cp.rank - step) % cp.size
-            kv_index = layout.rank_index(source)
-            for qs, q_index in layout.pieces(layout.index):
-                for ks, k_index in layout.pieces(kv_index):
-                    mask = _visible(layout, q_index, k_index)
-                    if mask is None:
-                        continue
-                    kb = kv[0][:, :, ks].float().unsqueeze(2)
-                    vb = kv[1][:, :, ks].float().unsqueeze(2)
-                    scores = (qg[:, :, :, qs] @ kb.transpose(-1, -2)) * scale
-                    scores = scores.masked_fill(~mask, -math.inf)
-                    new_max = torch.maximum(row_max[..., qs], scores.amax(-1))
-                    safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                    keep = torch.exp(row_max[..., qs] - safe)
-                    probs = torch.exp(scores - safe.unsqueeze(-1))
-                    row_sum[..., qs] = row_sum[..., qs] * keep + probs.sum(-1)
-                    acc[..., qs, :] = acc[..., qs, :] * keep.unsqueeze(-1) + probs @ vb
-                    row_max[..., qs] = new_max
-            if pending is not None:
-                kv = collectives.wait(pending)
+        for blocks in _ring_steps(layout, torch.stack([k, v])):
+            for block in blocks:
+                qs = block.q
+                scores = (qg[:, :, :, qs] @ block.k.transpose(-1, -2)) * scale
+                scores = scores.masked_fill(~block.mask, -math.inf)
+                new_max = torch.maximum(row_max[..., qs], scores.amax(-1))
+                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                keep = torch.exp(row_max[..., qs] - safe)
+                probs = torch.exp(scores - safe.unsqueeze(-1))
+                row_sum[..., qs] = row_sum[..., qs] * keep + probs.sum(-1)
+                acc[..., qs, :] = acc[..., qs, :] * keep.unsqueeze(-1) + probs @ block.v
+                row_max[..., qs] = new_max
         out = acc / row_sum.unsqueeze(-1)
         lse = row_max + torch.log(row_sum)
         ctx.layout, ctx.scale = layout, scale
@@ -668,31 +701,20 @@ class _RingAttention(torch.autograd.Function):
         dout = _grouped(grad, kvh).float()
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
-        for step in range(cp.size):
-            pending = _shift(kv, cp) if step < cp.size - 1 else None
-            source = (cp.rank - step) % cp.size
-            kv_index = layout.rank_index(source)
-            for qs, q_index in layout.pieces(layout.index):
-                for ks, k_index in layout.pieces(kv_index):
-                    mask = _visible(layout, q_index, k_index)
-                    if mask is None:
-                        continue
-                    kb = kv[0][:, :, ks].float().unsqueeze(2)
-                    vb = kv[1][:, :, ks].float().unsqueeze(2)
-                    scores = (qg[:, :, :, qs] @ kb.transpose(-1, -2)) * scale
-                    probs = torch.exp(scores - lse[..., qs].unsqueeze(-1)).masked_fill(~mask, 0.0)
-                    do = dout[:, :, :, qs]
-                    dkv[1][:, :, ks] += (probs.transpose(-1, -2) @ do).sum(2)
-                    dprobs = do @ vb.transpose(-1, -2)
-                    dscores = probs * (dprobs - delta[..., qs].unsqueeze(-1)) * scale
-                    dq[:, :, :, qs] += dscores @ kb
-                    dkv[0][:, :, ks] += (dscores.transpose(-1, -2) @ qg[:, :, :, qs]).sum(2)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        for blocks in _ring_steps(layout, torch.stack([k, v])):
+            for block in blocks:
+                qs, ks = block.q, block.kv
+                scores = (qg[:, :, :, qs] @ block.k.transpose(-1, -2)) * scale
+                probs = torch.exp(scores - lse[..., qs].unsqueeze(-1)).masked_fill(~block.mask, 0.0)
+                do = dout[:, :, :, qs]
+                dkv[1][:, :, ks] += (probs.transpose(-1, -2) @ do).sum(2)
+                dprobs = do @ block.v.transpose(-1, -2)
+                dscores = probs * (dprobs - delta[..., qs].unsqueeze(-1)) * scale
+                dq[:, :, :, qs] += dscores @ block.k
+                dkv[0][:, :, ks] += (dscores.transpose(-1, -2) @ qg[:, :, :, qs]).sum(2)
             # the gradients travel with their block and reach its owner after cp shifts
             dkv = collectives.wait(_shift(dkv, cp))
-            if pending is not None:
-                kv = collectives.wait(pending)
         return (
             dq.reshape(q.shape).to(q.dtype),
             dkv[0].to(k.dtype),

@@ -7,7 +7,7 @@ Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelS
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,13 @@ from hyper_parallel.dmodule.models.llama_sharding import (
     split_cp_mesh,
 )
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
-from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit, pipeline
+from hyper_parallel.dmodule.pipeline import (
+    PassThrough,
+    Pipeline,
+    PipelineSplit,
+    StageLayers,
+    pipeline,
+)
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
 
@@ -217,16 +223,24 @@ class Llama(BaseModel):
         ``tokens`` is the full sequence on every ``cp`` rank and so are the logits, in the
         original order; ``sequence_shard=True`` returns this rank's tokens' logits only
         (:meth:`layout`'s ``index`` says which), as :meth:`loss` uses them.
+
+        On a pipeline stage (:mod:`~hyper_parallel.dmodule.pipeline`) that does not hold
+        the embedding, ``tokens`` is the previous stage's activation, already this rank's
+        share of the sequence; ``document_ids`` stays the full ``[batch, seq]`` on every
+        stage. A stage's logits stay this rank's share (the pipeline's loss is
+        :meth:`output_loss`).
         """
-        layout = self.layout(tokens, document_ids)
-        if layout is not None and layout.cp is not None:
+        embeds = not isinstance(self.tok_embeddings, PassThrough)
+        layout = self.layout(tokens, document_ids, embedded=not embeds)
+        if layout is not None and layout.cp is not None and embeds:
             check_same_over_cp(layout.cp, "Llama", tokens=tokens, document_ids=document_ids)
             tokens = tokens[:, layout.index]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h) if layout is None else layer(h, layout=layout)
         logits: torch.Tensor = self.output(self.norm(h))
-        if layout is not None and layout.cp is not None and not sequence_shard:
+        staged = isinstance(self.layers, StageLayers)
+        if layout is not None and layout.cp is not None and not (sequence_shard or staged):
             return gather_sequence(logits, layout.cp, layout.order())
         return logits
 
@@ -250,31 +264,97 @@ class Llama(BaseModel):
         """
         # through __call__, so that hooks on the model (FSDP's root) see the step
         logits = self(tokens, document_ids=document_ids, sequence_shard=True)
-        layout = self.layout(tokens, document_ids)
-        if layout is None or layout.cp is None:
-            return cross_entropy(logits, targets)
-        if targets.shape != tokens.shape:
+        if self.context_parallel is not None and targets.shape != tokens.shape:
             raise ValueError(
                 f"Llama.loss: expected targets of the tokens' shape {list(tokens.shape)}, "
                 f"found {list(targets.shape)}"
+            )
+        return self.output_loss(logits, targets, document_ids=document_ids)
+
+    def output_loss(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+    ) -> torch.Tensor:
+        """The mean loss of the logits :meth:`forward` returned with ``sequence_shard=True``.
+
+        ``targets`` (and ``document_ids``) are the full ``[batch, seq]``; ``loss_fn`` is a
+        mean over the targets that are not -100. Under context parallelism ``logits`` are
+        this rank's tokens': it scores them against their targets, weighted by its share
+        of the group's counted targets, and the shares are summed over ``cp``, so every
+        rank returns the mean over the whole sequence (the pipeline's last stage calls
+        this for each microbatch).
+
+        Example::
+
+            logits = model(tokens, sequence_shard=True)
+            loss = model.output_loss(logits, targets)
+        """
+        layout = self.layout(targets, document_ids)
+        if layout is None or layout.cp is None:
+            return loss_fn(logits, targets)
+        if logits.shape[:2] != (targets.shape[0], layout.index.numel()):
+            raise ValueError(
+                f"Llama.output_loss: expected this cp rank's logits [batch, seq / cp, ...] = "
+                f"{[targets.shape[0], layout.index.numel()]} (forward with sequence_shard=True), "
+                f"found {list(logits.shape)}"
             )
         check_same_over_cp(layout.cp, "Llama.loss", targets=targets)
         local_targets = targets[:, layout.index.to(targets.device)]
         total = int((targets != -100).sum())
         count = int((local_targets != -100).sum())
         if count == 0:  # this rank's tokens are all ignored: a zero share, still in the graph
-            share = cross_entropy(logits, torch.zeros_like(local_targets)) * 0.0
+            share = loss_fn(logits, torch.zeros_like(local_targets)) * 0.0
         else:
-            share = cross_entropy(logits, local_targets) * (count / max(total, 1))
+            share = loss_fn(logits, local_targets) * (count / max(total, 1))
         return reduce_loss(share, layout.cp)
 
+    def check_batch(
+        self,
+        tokens: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Raise the ``ValueError`` :meth:`forward` or :meth:`loss` would, from what is given.
+
+        ``document_ids`` against the tokens' or targets' shape; under context parallelism,
+        the sequence length against ``2 * cp`` chunks. A pipeline stage calls it with what
+        its rank holds before the schedule runs, so that every rank refuses a bad batch.
+
+        Example::
+
+            >>> Llama.Config().build().check_batch(
+            ...     torch.zeros(1, 4, dtype=torch.long), document_ids=torch.zeros(1, 3, dtype=torch.long))
+            Traceback (most recent call last):
+            ...
+            ValueError: Llama: expected document_ids of shape [batch, seq] = [1, 4] (the tokens' shape), found [1, 3]
+        """
+        if tokens is not None and targets is not None and targets.shape != tokens.shape:
+            raise ValueError(
+                f"Llama: expected targets of the tokens' shape {list(tokens.shape)}, found "
+                f"{list(targets.shape)}"
+            )
+        for given in (tokens, targets, document_ids):
+            if given is not None:
+                self.layout(given, document_ids)
+
     def layout(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        *,
+        embedded: bool = False,
     ) -> TokenLayout | None:
         """Where ``tokens``' positions sit for attention (``None``: plain causal, whole sequence).
 
         Checks ``document_ids``; under context parallelism ``index`` holds this rank's
-        global positions (head-tail order).
+        global positions (head-tail order). ``embedded=True``: ``tokens`` is an activation
+        ``(batch, seq_local, dim)`` already cut to this rank's share (a later pipeline
+        stage), so the full sequence is ``cp`` times longer.
 
         Example::
 
@@ -282,13 +362,12 @@ class Llama(BaseModel):
             True
         """
         cp = self.context_parallel
+        seq = tokens.shape[1] * (cp.size if embedded and cp is not None else 1)
         if document_ids is not None:
-            check_document_ids(document_ids, tokens, where="Llama")
+            check_document_ids(document_ids, (tokens.shape[0], seq), where="Llama")
         if cp is None and document_ids is None:
             return None
-        return TokenLayout.build(
-            tokens.shape[1], document_ids=document_ids, cp=cp, device=tokens.device
-        )
+        return TokenLayout.build(seq, document_ids=document_ids, cp=cp, device=tokens.device)
 
     def parallelize(self, mesh: DeviceMesh | ParallelDims) -> Llama:
         """Tensor and context parallel over ``mesh`` (a mesh or a :class:`ParallelDims`), then compile.

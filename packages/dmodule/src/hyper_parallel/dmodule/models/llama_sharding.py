@@ -37,10 +37,10 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.activation_checkpoint import (
@@ -310,8 +310,10 @@ def apply_cp(model: Llama, cp_mesh: DeviceMesh) -> Llama:
     Every attention gets the ``cp`` axis and ``model.config.context_parallel``'s algorithm;
     each parameter's gradient is summed over ``cp`` as autograd produces it (a tensor
     hook, so accumulation over micro-batches stays right), so that when ``backward``
-    returns the gradients are the one-process ones. FSDP over ``cp`` takes this over
-    (:func:`apply_fsdp`).
+    returns the gradients are the one-process ones. Parameters that replace the model's
+    later (``to_empty`` after a build on the meta device, as a pipeline stage's
+    ``init_weights`` does) get the hook at the next forward. FSDP over ``cp`` takes this
+    over (:func:`apply_fsdp`).
 
     Example::
 
@@ -321,20 +323,43 @@ def apply_cp(model: Llama, cp_mesh: DeviceMesh) -> Llama:
     model.context_parallel = cp
     for layer in model.layers:
         layer.attention.context_parallel = cp  # type: ignore[union-attr]
-    hook = _sum_over_cp(cp_mesh)
-    handles = [param.register_hook(hook) for param in model.parameters()]  # type: ignore[no-untyped-call]
-    model.__dict__["_cp_grad_hooks"] = handles
+    model.__dict__["_cp_grad_hooks"] = _SumGradsOverCp(model, cp_mesh)
     return model
 
 
-def _sum_over_cp(cp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if isinstance(grad, DTensor):
-            local = collectives.all_reduce(grad.to_local(), cp_mesh, CP_AXIS, "sum")
-            return DTensor.from_local(local, grad.device_mesh, grad.placements)
-        return collectives.all_reduce(grad, cp_mesh, CP_AXIS, "sum")
+class _SumGradsOverCp:
+    """The gradient hooks of :func:`apply_cp`, kept on the model's current parameters."""
 
-    return hook
+    def __init__(self, model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+        self._mesh = cp_mesh
+        self._hooked: dict[int, tuple[torch.nn.Parameter, RemovableHandle]] = {}
+        self.attach(model)
+        self._pre_hook = model.register_forward_pre_hook(lambda module, _: self.attach(module))
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook the parameters not hooked yet; drop the hooks of parameters replaced since."""
+        current = {id(p): p for p in model.parameters()}
+        for key, (param, handle) in list(self._hooked.items()):
+            if current.get(key) is not param:
+                handle.remove()
+                del self._hooked[key]
+        for key, param in current.items():
+            if key not in self._hooked:
+                handle = param.register_hook(self._sum)  # type: ignore[no-untyped-call]
+                self._hooked[key] = (param, handle)
+
+    def remove(self) -> None:
+        """Remove every hook (FSDP's reduction over ``cp`` replaces them)."""
+        self._pre_hook.remove()
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+
+    def _sum(self, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor):
+            local = collectives.all_reduce(grad.to_local(), self._mesh, CP_AXIS, "sum")
+            return DTensor.from_local(local, grad.device_mesh, grad.placements)
+        return collectives.all_reduce(grad, self._mesh, CP_AXIS, "sum")
 
 
 def apply_tp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
@@ -411,8 +436,9 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
             dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
     if cp > 1:
         # FSDP's reduction over cp replaces the gradient hooks of apply_cp
-        for handle in model.__dict__.pop("_cp_grad_hooks", []):
-            handle.remove()
+        hooks = model.__dict__.pop("_cp_grad_hooks", None)
+        if hooks is not None:
+            hooks.remove()
     fully_shard(model.tok_embeddings, mesh=dp_mesh)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)

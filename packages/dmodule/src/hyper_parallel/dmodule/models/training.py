@@ -107,7 +107,8 @@ def train_step(
     ``model`` is a module with ``loss(tokens, targets[, document_ids])`` whose microbatch
     losses are averaged (gradient accumulation: each backward is scaled by
     ``1 / len(microbatches)``), or a :class:`~hyper_parallel.dmodule.pipeline.Pipeline`
-    that runs the microbatches as one schedule step (torch's schedule averages them). The
+    that runs the microbatches as one schedule step (the whole batch's token mean; each
+    stage gets the microbatches' ``document_ids`` when its forward takes them). The
     loss reported is averaged over ``loss_axes`` of ``loss_mesh`` (the data-parallel ranks;
     with a pipeline the last stage's loss is first broadcast over ``pp_mesh``, axis ``pp``;
     without ``pp_mesh`` a rank without the last stage reports 0).
@@ -174,7 +175,7 @@ def _forward_backward(
     model: torch.nn.Module, microbatches: Sequence[tuple[torch.Tensor, ...]]
 ) -> torch.Tensor:
     loss_fn: Callable[..., torch.Tensor] = model.loss  # type: ignore[assignment]
-    takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
+    takes_documents = _takes_documents(loss_fn)
     total: torch.Tensor | None = None
     for tokens, targets, *rest in microbatches:
         kwargs = {"document_ids": rest[0]} if rest and takes_documents else {}
@@ -191,6 +192,10 @@ def _forward_backward(
     return total
 
 
+def _takes_documents(fn: Callable[..., object]) -> bool:
+    return "document_ids" in inspect.signature(fn).parameters
+
+
 def _pipeline_forward_backward(
     pipe: Pipeline,
     microbatches: Sequence[tuple[torch.Tensor, ...]],
@@ -198,7 +203,12 @@ def _pipeline_forward_backward(
 ) -> torch.Tensor:
     tokens = torch.cat([batch[0] for batch in microbatches])
     targets = torch.cat([batch[1] for batch in microbatches])
-    loss = pipe.step(tokens, target=targets)
+    inputs: dict[str, torch.Tensor] = {}
+    forward = pipe.model_parts[0].forward
+    if all(len(b) > 2 for b in microbatches) and _takes_documents(forward):
+        # every stage's attention needs the documents (pipeline stages take the whole batch's)
+        inputs["document_ids"] = torch.cat([batch[2] for batch in microbatches])
+    loss = pipe.step(tokens, target=targets, **inputs)
     mine = loss if loss is not None else torch.zeros((), device=tokens.device)
     if pp_mesh is None:
         return mine.detach()

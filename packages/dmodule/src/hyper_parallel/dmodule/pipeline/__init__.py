@@ -27,7 +27,13 @@ from hyper_parallel.dmodule.pipeline.split import (
     even_starts,
     plan_stages,
 )
-from hyper_parallel.dmodule.pipeline.stages import SCHEDULES, Pipeline, pipeline, stage_owner
+from hyper_parallel.dmodule.pipeline.stages import (
+    SCHEDULES,
+    Pipeline,
+    microbatch_weights,
+    pipeline,
+    stage_owner,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -38,6 +44,7 @@ __all__ = [
     "StagePlan",
     "build_stage",
     "even_starts",
+    "microbatch_weights",
     "pipeline",
     "plan_stages",
     "stage_owner",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-__all__ = ["SCHEDULES", "Pipeline", "pipeline", "stage_owner"]
+__all__ = ["SCHEDULES", "Pipeline", "microbatch_weights", "pipeline", "stage_owner"]
 
 PP = axis_name(MeshAxisName.PP)
 
@@ -99,12 +99,12 @@ class _StageModule(torch.nn.Module):
         #: The last stage's output layout, global shape and stride, seen by its forward.
         self.output_spec: _OutputSpec | None = None
 
-    def forward(self, *args: torch.Tensor) -> Any:
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         if not self.plan.is_first and self.layout is not None:
             args = tuple(
                 DTensor.from_local(a, self.layout.mesh, self.layout.placements) for a in args
             )
-        return _map_tensors(self.part(*args), self._send)
+        return _map_tensors(self.part(*args, **kwargs), self._send)
 
     def _send(self, out: torch.Tensor) -> torch.Tensor:
         if not isinstance(out, DTensor):
@@ -133,14 +133,65 @@ class _StageModule(torch.nn.Module):
                 )
         return out.to_local()
 
-    def loss(self, loss_fn: LossFn, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """``loss_fn`` on the last stage's output rebuilt as the DTensor the part returned."""
+    def loss(
+        self, loss_fn: LossFn, output: Any, target: torch.Tensor, inputs: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """The microbatch's loss from the last stage's output, rebuilt as the DTensor the part returned.
+
+        A part with an ``output_loss(output, target, *, loss_fn, **inputs)`` method (a model
+        whose output is this rank's share of the sequence, under context parallelism)
+        computes it, with the microbatch's keyword inputs; otherwise ``loss_fn(output, target)``.
+        """
         spec = self.output_spec
         if spec is not None and isinstance(output, torch.Tensor):
             mesh, placements, shape, stride = spec
             output = DTensor.from_local(output, mesh, placements, shape=shape, stride=stride)
-        loss = loss_fn(output, target)
+        output_loss = getattr(self.part, "output_loss", None)
+        if callable(output_loss):
+            loss = output_loss(output, target, loss_fn=loss_fn, **inputs)
+        else:
+            loss = loss_fn(output, target)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+@dataclass
+class _StepBatch:
+    """One step's microbatches as the last stage's loss reads them, by microbatch index.
+
+    torch's schedule hands the loss function a target per microbatch; the pipeline gives
+    it the microbatch's index, so that the loss also sees the microbatch's keyword inputs
+    and its weight.
+    """
+
+    targets: list[torch.Tensor] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    weights: list[float] | None = None
+
+
+def microbatch_weights(
+    targets: Sequence[torch.Tensor], ignore_index: int = -100
+) -> list[float] | None:
+    """Each microbatch's loss weight for the step's loss to be the whole batch's token mean.
+
+    Microbatch ``i`` with ``c_i`` of the batch's ``C`` counted targets (``!= ignore_index``)
+    gets ``n * c_i / C``: the mean of the weighted microbatch means is then the mean over
+    all counted targets, as one process computes it on the whole batch. ``None`` (every
+    weight 1) when the counts are equal, nothing is counted, or the targets are not
+    integer class indices.
+
+    Example::
+
+        >>> t = torch.tensor([[1, -100], [2, 3]])
+        >>> microbatch_weights(list(t.tensor_split(2)))
+        [0.6666666666666666, 1.3333333333333333]
+    """
+    if not targets or any(t.is_floating_point() or t.is_complex() for t in targets):
+        return None
+    counts = [int((t != ignore_index).sum()) for t in targets]
+    total = sum(counts)
+    if total == 0 or len(set(counts)) == 1:
+        return None
+    return [len(counts) * c / total for c in counts]
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -180,6 +231,7 @@ class Pipeline:
         stages: list[PipelineStage],
         schedule: _PipelineSchedule,
         device: torch.device,
+        batch: _StepBatch,
     ) -> None:
         self.mesh = mesh
         self.schedule_name = schedule_name
@@ -191,6 +243,7 @@ class Pipeline:
         self.stages = stages
         self.schedule = schedule
         self.device = device
+        self._batch = batch
 
     @property
     def model_parts(self) -> list[torch.nn.Module]:
@@ -258,22 +311,34 @@ class Pipeline:
             device_module.set_rng_state(parts[1].clone(), self.device)
 
     def step(
-        self, inputs: torch.Tensor | None, target: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor | None,
+        target: torch.Tensor | None = None,
+        **forward_inputs: torch.Tensor,
     ) -> torch.Tensor | None:
         """One training step's forward and backward over ``n_microbatches`` microbatches.
 
         ``inputs`` (used on the rank holding the first stage) and ``target`` (on the rank
-        holding the last) are the whole batch, split along dim 0. Returns the mean loss
-        over the microbatches where this rank holds the last stage, ``None`` elsewhere.
-        Gradients accumulate into the parts' ``.grad`` and equal the full batch's
-        (torch's schedules divide them by ``n_microbatches``: ``loss_fn`` must average,
-        as a mean cross-entropy does). Every rank of the pipeline calls it.
+        holding the last) are the whole batch, split along dim 0. ``forward_inputs`` are
+        keyword inputs of the model's forward (e.g. ``document_ids``): the whole batch on
+        *every* rank, split the same way and given to every stage (and to the last
+        stage's ``output_loss``). Returns the loss where this rank holds the last stage,
+        ``None`` elsewhere: the mean over the whole batch's counted targets (each
+        microbatch's mean weighted by its share of the targets that are not -100, see
+        :func:`microbatch_weights`), as one process computes it. Gradients accumulate
+        into the parts' ``.grad`` and equal the full batch's (torch's schedules divide
+        them by ``n_microbatches``: ``loss_fn`` must average, as a mean cross-entropy
+        does). Every rank of the pipeline calls it. A part with a ``check_batch(inputs,
+        target, **forward_inputs)`` method first checks what its rank holds of the batch
+        (``None`` for what it does not), so that a bad batch is refused before the
+        schedule exchanges anything.
 
         Example::
 
             loss = pipe.step(tokens, target=targets)
+            loss = pipe.step(tokens, target=targets, document_ids=document_ids)  # packed
         """
-        for name, value in (("inputs", inputs), ("target", target)):
+        for name, value in (("inputs", inputs), ("target", target), *forward_inputs.items()):
             if value is not None:
                 self._check_batch(name, value)
         if self.has_first_stage and inputs is None:
@@ -285,14 +350,41 @@ class Pipeline:
                 "Pipeline.step: this rank holds the last stage and needs the target to compute "
                 "the loss; found None"
             )
-        args = (inputs,) if self.has_first_stage else ()
+        # every rank refuses what it can see of a bad batch before any exchange starts
+        for module in self._modules:
+            check = getattr(module.part, "check_batch", None)
+            if callable(check):
+                check(
+                    inputs if module.plan.is_first else None,
+                    target if module.plan.is_last else None,
+                    **forward_inputs,
+                )
+        n = self.n_microbatches
+        split = {name: value.tensor_split(n) for name, value in forward_inputs.items()}
+        kwarg_mbs = [{name: chunks[i] for name, chunks in split.items()} for i in range(n)]
+        arg_mbs: list[tuple[torch.Tensor, ...]] = [()] * n
+        if self.has_first_stage and inputs is not None:
+            arg_mbs = [(chunk,) for chunk in inputs.tensor_split(n)]
+        target_mbs = None
+        batch = self._batch
+        if self.has_last_stage:
+            assert target is not None
+            batch.targets = list(target.tensor_split(n))
+            batch.inputs = kwarg_mbs
+            batch.weights = microbatch_weights(batch.targets)
+            # the loss function gets the microbatch's index and finds the rest in batch
+            target_mbs = [torch.tensor(i) for i in range(n)]
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
-        self.schedule.step(
-            *args,
-            target=target if self.has_last_stage else None,
-            losses=losses,
-            return_outputs=False,
-        )
+        try:
+            self.schedule.step(
+                arg_mbs=arg_mbs,
+                kwarg_mbs=kwarg_mbs,
+                target_mbs=target_mbs,
+                losses=losses,
+                return_outputs=False,
+            )
+        finally:
+            batch.targets, batch.inputs, batch.weights = [], [], None
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
@@ -443,10 +535,13 @@ def pipeline(
         modules.append(module)
         stages.append(_stage_class()(module, index, num_stages, device, group=group))
     last = next((m for m in modules if m.plan.is_last), None)
+    batch = _StepBatch()
 
-    def stage_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    def stage_loss(output: Any, microbatch: torch.Tensor) -> torch.Tensor:
         assert last is not None  # torch computes the loss on the last stage only
-        return last.loss(loss_fn, output, target)
+        index = int(microbatch)  # what Pipeline.step passes torch as the target
+        loss = last.loss(loss_fn, output, batch.targets[index], batch.inputs[index])
+        return loss if batch.weights is None else loss * batch.weights[index]
 
     schedule_cls = get_schedule_class(schedule_name)
     runner: _PipelineSchedule
@@ -464,6 +559,7 @@ def pipeline(
         stages=stages,
         schedule=runner,
         device=device,
+        batch=batch,
     )
 
 
