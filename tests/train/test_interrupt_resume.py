@@ -1,21 +1,25 @@
 """Stopping a run by a signal, asynchronous checkpoints and the profiler, each resumed exactly.
 
-``hp-train`` on its built-in launcher (2 ranks, the tiny model) runs in a subprocess:
-first a Ctrl-C as a terminal sends it (SIGINT to the launcher's whole process group),
-then, resumed, a SIGTERM to the launcher's pid alone. Each stops every rank after its
-step with one committed checkpoint of that step. One in-process launch then gives the
+``hp-train`` on its built-in launcher (2 ranks, the tiny model): first in a subprocess, a
+Ctrl-C as a terminal sends it (SIGINT to the launcher's whole process group); then,
+resumed with this process as the launcher, a SIGTERM to the launcher's pid alone. Each
+stops every rank after its step with one committed checkpoint of that step. One in-process launch then gives the
 oracle (the same job uninterrupted) and runs a job with ``checkpoint.async_save`` and
 ``[profiling]``, resumed after its last asynchronous checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ from tests._harness import run_on_ranks
 from tests.train._jobs import TINY_MODEL, tiny_job, write_corpus
 
 from hyper_parallel.dmodule.checkpoint import latest_step
+from hyper_parallel.train.cli import main
 from hyper_parallel.train.trainer import RunSummary, train
 
 LAYOUT = ["parallelism.dp_shard=2"]
@@ -32,8 +37,7 @@ LAYOUT = ["parallelism.dp_shard=2"]
 ENDLESS = 100_000
 
 
-def _launch(root: Path, corpus: Path, name: str, *extra: str) -> subprocess.Popen[bytes]:
-    """``python -m hyper_parallel.train`` in a session of its own (its own process group)."""
+def _command_line(root: Path, corpus: Path) -> list[str]:
     options = [
         *TINY_MODEL,
         *LAYOUT,
@@ -43,9 +47,14 @@ def _launch(root: Path, corpus: Path, name: str, *extra: str) -> subprocess.Pope
         f"checkpoint.dir={root / 'ckpt'}",
         f"metrics.jsonl={root / 'metrics.jsonl'}",
     ]
+    return [f"--{o}" for o in options]
+
+
+def _launch(root: Path, corpus: Path, name: str) -> subprocess.Popen[bytes]:
+    """``python -m hyper_parallel.train`` in a session of its own (its own process group)."""
     with (root / f"{name}.out").open("wb") as out, (root / f"{name}.err").open("wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "hyper_parallel.train", *(f"--{o}" for o in options), *extra],
+            [sys.executable, "-m", "hyper_parallel.train", *_command_line(root, corpus)],
             stdout=out,
             stderr=err,
             start_new_session=True,
@@ -60,25 +69,30 @@ def _logged_steps(root: Path) -> list[dict[str, Any]]:
     return [r for r in records if "loss" in r]
 
 
-def _stop_after_step(
-    process: subprocess.Popen[bytes], root: Path, after: int, signal_to: str
-) -> int:
-    """Wait until a step past ``after`` is logged, send the signal; the exit status."""
+def _wait_for_a_step_past(after: int, root: Path, running: Callable[[], bool]) -> None:
     deadline = time.monotonic() + 240
     while not any(r["step"] > after for r in _logged_steps(root)):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"hp-train logged no step past {after} (exit {process.poll()})")
+        if not running() or time.monotonic() > deadline:
+            raise AssertionError(f"hp-train logged no step past {after}")
         time.sleep(0.05)
-    if signal_to == "group":  # what a terminal's Ctrl-C does
-        os.killpg(process.pid, signal.SIGINT)
-    else:
-        os.kill(process.pid, signal.SIGTERM)
+
+
+def _ctrl_c_after_a_step(process: subprocess.Popen[bytes], root: Path) -> int:
+    """Once a step is logged, SIGINT to the launcher's process group (what a terminal's Ctrl-C
+    does); the exit status."""
     try:
+        _wait_for_a_step_past(0, root, lambda: process.poll() is None)
+        os.killpg(process.pid, signal.SIGINT)
         return process.wait(timeout=240)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def _sigterm_to_this_process_after(after: int, root: Path, done: threading.Event) -> None:
+    """Once a step past ``after`` is logged, SIGTERM to this process alone (the launcher here)."""
+    _wait_for_a_step_past(after, root, lambda: not done.is_set())
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _in_process(corpus: str, root: str, steps: int) -> dict[str, Any] | None:
@@ -117,17 +131,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("interrupted")
     corpus = write_corpus(root / "corpus")
     out: dict[str, Any] = {"root": root}
-    ctrl_c = _launch(root, corpus, "ctrl_c")
-    out["ctrl_c_status"] = _stop_after_step(ctrl_c, root, 0, "group")
+    out["ctrl_c_status"] = _ctrl_c_after_a_step(_launch(root, corpus, "ctrl_c"), root)
     out["ctrl_c_steps"] = [r["step"] for r in _logged_steps(root)]
     out["ctrl_c_checkpoints"] = sorted(p.name for p in (root / "ckpt").iterdir())
     out["ctrl_c_stderr"] = (root / "ctrl_c.err").read_text()
     stopped = latest_step(root / "ckpt") or 0
-    sigterm = _launch(root, corpus, "sigterm", "--resume")
-    out["sigterm_status"] = _stop_after_step(sigterm, root, stopped, "launcher")
+    # resumed, with this process as the launcher (saves starting another interpreter)
+    done = threading.Event()
+    sender = threading.Thread(target=_sigterm_to_this_process_after, args=(stopped, root, done))
+    stderr = io.StringIO()
+    # a SIGTERM arriving after main() returned (it failed early) must not end pytest
+    default = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    sender.start()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            out["sigterm_status"] = main([*_command_line(root, corpus), "--resume"])
+    finally:
+        done.set()
+        sender.join()
+        signal.signal(signal.SIGTERM, default)
     out["sigterm_records"] = _logged_steps(root)
     out["sigterm_checkpoints"] = sorted(p.name for p in (root / "ckpt").iterdir())
-    out["sigterm_stderr"] = (root / "sigterm.err").read_text()
+    out["sigterm_stderr"] = stderr.getvalue()
     last = latest_step(root / "ckpt") or 0
     out["in_process"] = run_on_ranks(
         _in_process, 2, str(corpus), str(root), max(last, 6), timeout_s=240
