@@ -86,6 +86,30 @@ def _reseed_after_first_use(side: Side) -> dict[str, Any]:
     return out
 
 
+def _one_rank_draws_alone(side: Side) -> dict[str, Any]:
+    """Equal seeds; then rank 0 alone draws a plain tensor (nobody reseeds); then dropout of a Replicate.
+
+    What a per-op check is for: a rank's generator moves on its own (rank 0 sampling
+    examples to log, a data pipeline drawing per-rank sizes) with no reseed to detect, and
+    only one rank knows; skipping the check on the ranks that saw no change would leave the
+    others alone in a collective.
+    """
+    R = side.Replicate
+    torch.manual_seed(9)
+    side.distribute(torch.empty(4, 4), [R(), R()]).uniform_()  # checked: the replicas agree
+    if _rank() == 0:
+        torch.rand(5)
+    replicated = side.distribute(torch.ones(4, 4), [R(), R()])
+    with warnings.catch_warnings(record=True) as caught, side.comm() as comm:
+        warnings.simplefilter("always")
+        dropped: Any = F.dropout(replicated, p=P_DROP, training=True)
+    return {
+        "values": dropped.to_local().clone(),
+        "comm": comm,
+        "warned": any(isinstance(w.message, hp.RandomSeedWarning) for w in caught),
+    }
+
+
 class Attention(nn.Module):
     """Self-attention with dropout on the probabilities and on the output (a residual branch)."""
 
@@ -180,6 +204,8 @@ def _on_four_ranks() -> dict[str, Any]:
     for side in sides((2, 2), ("dp", "tp")):
         dp_rank = side.mesh.get_local_rank("dp")
         result[f"{side.name} reseed"] = _reseed_after_first_use(side)
+        if side.name == "hp":  # torch has no RNG tracker on CPU: its replicas may differ
+            result["hp draws alone"] = _one_rank_draws_alone(side)
         result[f"{side.name} attention"] = _tp_attention(side, side.mesh["tp"], dp_rank)
         result[f"{side.name} init"] = _init_after_all_that(side, side.mesh["tp"])
     result["dp_rank"] = dp_rank
@@ -237,6 +263,20 @@ def test_per_rank_reseed_after_first_use_keeps_replicas_equal_both_variants(
     torch.empty(4, 4).uniform_()
     want = F.dropout(first["redistributed_input"], p=P_DROP, training=True)
     assert torch.equal(first["redistributed"][0], want)
+
+
+def test_one_rank_drawing_alone_without_a_reseed_cannot_split_replicas(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    torch.manual_seed(9)  # rank 0's generator, on one device
+    torch.empty(4, 4).uniform_()
+    torch.rand(5)
+    want = F.dropout(torch.ones(4, 4), p=P_DROP, training=True)
+    for rank, got in enumerate(four_ranks):
+        mine = got["hp draws alone"]
+        assert torch.equal(mine["values"], want), (rank, "replicas differ from rank 0's draw")
+        assert "all_reduce" in mine["comm"] and "broadcast" in mine["comm"], mine["comm"]
+        assert mine["warned"] == (rank != 0), rank
 
 
 def test_dropout_in_tp_attention_with_dp_rank_seeds_is_the_one_device_block(

@@ -29,14 +29,57 @@ Axis = int | str
 
 MeshKey = tuple[str, tuple[int, ...], tuple[int, ...], "tuple[str, ...] | None"]
 
-# The meshes alive in this process, by value: what an unpickled mesh reattaches to.
-# Weak, so a mesh nobody holds is not kept alive (nor its groups) by having been built.
-_live_meshes: weakref.WeakValueDictionary[MeshKey, DeviceMesh] = weakref.WeakValueDictionary()
+
+class _LiveMeshes:
+    """Every mesh alive in this process, by value: what an unpickled mesh reattaches to.
+
+    Weak, so a mesh nobody holds is not kept alive (nor its groups) by having been built.
+    All the meshes of one value are kept, not only the first: two jobs in one process
+    build equal meshes, and the older one, garbage in a reference cycle, may be collected
+    while the newer one lives on; remembering one per value would then forget the live one.
+    """
+
+    def __init__(self) -> None:
+        self._by_value: dict[MeshKey, list[weakref.ref[DeviceMesh]]] = {}
+
+    def add(self, mesh: DeviceMesh) -> None:
+        """Remember ``mesh`` (which holds its process groups) until it is collected."""
+        key = mesh._value_key
+        self._by_value.setdefault(key, []).append(weakref.ref(mesh, self._forgetter(key)))
+
+    def _forgetter(self, key: MeshKey) -> Callable[[weakref.ref[DeviceMesh]], None]:
+        def forget(dead: weakref.ref[DeviceMesh]) -> None:
+            refs = self._by_value.get(key)
+            if refs is None:
+                return
+            refs[:] = [ref for ref in refs if ref is not dead]
+            if not refs:
+                del self._by_value[key]
+
+        return forget
+
+    def get(self, key: MeshKey) -> DeviceMesh | None:
+        """The newest live mesh of value ``key``, or None."""
+        for ref in reversed(self._by_value.get(key, ())):
+            mesh = ref()
+            if mesh is not None:
+                return mesh
+        return None
+
+    def values(self) -> list[DeviceMesh]:
+        """Every live mesh, the newest of each value first."""
+        found = []
+        for refs in list(self._by_value.values()):
+            found += [mesh for ref in reversed(list(refs)) if (mesh := ref()) is not None]
+        return found
+
+
+_live_meshes = _LiveMeshes()
 
 
 def _remember_mesh(mesh: DeviceMesh) -> None:
-    """Record ``mesh``, which holds its process groups, as the live mesh of its value."""
-    _live_meshes.setdefault(mesh._value_key, mesh)
+    """Record ``mesh``, which holds its process groups, as a live mesh of its value."""
+    _live_meshes.add(mesh)
 
 
 # The meshes entered with ``with mesh:``, innermost last (torch's mesh stack).

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from hyper_parallel.config import ConfigError, parse_cli_overrides
 from hyper_parallel.train.config import JobConfig, load_job, to_toml
+
+if TYPE_CHECKING:
+    from hyper_parallel.train.trainer import RunSummary
 
 __all__ = ["main", "parse_args", "preflight"]
 
@@ -106,6 +115,10 @@ def preflight(job: JobConfig, *, resume: bool, allow_imports: Sequence[str] = ()
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hp-train``; return the exit status (0 done, 1 a rank failed, 2 bad input, 130 Ctrl-C).
 
+    Under the built-in launcher, a first Ctrl-C (or SIGINT/SIGTERM to the launcher) makes
+    every rank finish its step, save it when ``checkpoint.dir`` is set, and exit (status
+    130; ``--resume`` continues); a second one kills the ranks.
+
     Example::
 
         >>> main(["--print-config"])  # doctest: +SKIP
@@ -127,35 +140,93 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as error:
         print(f"hp-train: error: {error}", file=sys.stderr)
         return 2
-    from hyper_parallel.train.trainer import train
-
     options = {"resume": args.resume, "allow_imports": tuple(args.allow_import)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _under_torchrun(job, options)
     from hyper_parallel.platform_torch.launch import DistributedRunError, run_distributed
 
     start = time.perf_counter()
-    try:
-        run_distributed(
-            train,
-            world,
-            args=(job,),
-            kwargs=options,
-            device_type=job.training.device,
-            timeout_s=job.training.timeout,
+    with tempfile.TemporaryDirectory(prefix="hp-train-") as scratch:
+        interrupts = _Interrupts(os.path.join(scratch, "stop"))
+        try:
+            with interrupts.installed():
+                summaries = run_distributed(
+                    _rank_main,
+                    world,
+                    args=(job,),
+                    kwargs={**options, "stop_file": interrupts.stop_file},
+                    device_type=job.training.device,
+                    timeout_s=job.training.timeout,
+                )
+        except DistributedRunError as error:
+            print(f"hp-train FAILED: {error}", file=sys.stderr)
+            print("every rank process was stopped.", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\nhp-train interrupted: every rank process was stopped.", file=sys.stderr)
+            return 130
+    summary = summaries[0]
+    if summary is not None and summary.stopped_by_signal:
+        saved = (
+            f"checkpoint {summary.last_checkpoint}; continue with --resume"
+            if summary.last_checkpoint
+            else "nothing saved (checkpoint.dir is not set)"
         )
-    except DistributedRunError as error:
-        print(f"hp-train FAILED: {error}", file=sys.stderr)
-        print("every rank process was stopped.", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nhp-train interrupted: every rank process was stopped.", file=sys.stderr)
+        last = summary.first_step + len(summary.losses) - 1
+        print(f"[hp-train] stopped by a signal after step {last}: {saved}", file=sys.stderr)
         return 130
     print(
         f"[hp-train] {world} rank(s) finished in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,
     )
     return 0
+
+
+class _Interrupts:
+    """The launcher's SIGINT/SIGTERM: the first asks every rank to stop after its step, the next kills.
+
+    A terminal's Ctrl-C reaches the launcher and the ranks (one process group); a signal to
+    the launcher's pid reaches it alone. Either way the launcher creates ``stop_file``, which
+    every rank looks for after each step (the ranks ignore SIGINT outside their steps, so a
+    Ctrl-C while they start or save does not break them), then saves that step and exits.
+    A second signal raises KeyboardInterrupt here: the launcher kills the ranks.
+    """
+
+    def __init__(self, stop_file: str) -> None:
+        self.stop_file = stop_file
+        self.received = 0
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received += 1
+        if self.received > 1:
+            raise KeyboardInterrupt
+        Path(self.stop_file).touch()
+        print(
+            f"\n[hp-train] {signal.Signals(signum).name}: every rank stops after its current "
+            "step and saves it (when checkpoint.dir is set); Ctrl-C again to kill",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """SIGINT and SIGTERM handled as above while the ranks run."""
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _rank_main(
+    job: JobConfig, *, resume: bool, allow_imports: tuple[str, ...], stop_file: str
+) -> RunSummary | None:
+    """One rank under the built-in launcher: the launcher alone answers a terminal's Ctrl-C."""
+    from hyper_parallel.train.trainer import train
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return train(job, resume=resume, allow_imports=allow_imports, stop_file=stop_file)
 
 
 def _under_torchrun(job: JobConfig, options: dict[str, object]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 import shutil
 import signal
@@ -255,15 +256,21 @@ def parallel_dims(job: JobConfig, world_size: int) -> ParallelDims:
 
 
 class _Stop:
-    """SIGTERM/SIGINT: remember it; the loop saves at the end of the step and exits."""
+    """SIGTERM/SIGINT, or ``stop_file`` appearing: the loop saves at the end of the step and exits."""
 
-    def __init__(self) -> None:
-        self.requested = False
+    def __init__(self, stop_file: str = "") -> None:
+        self.signalled = False
+        self.stop_file = stop_file
+
+    @property
+    def requested(self) -> bool:
+        """Whether this rank was asked to stop (a stat of ``stop_file`` per step at most)."""
+        return self.signalled or bool(self.stop_file and os.path.exists(self.stop_file))
 
     @contextmanager
     def installed(self) -> Iterator[None]:
         def handler(signum: int, frame: FrameType | None) -> None:
-            self.requested = True
+            self.signalled = True
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -322,8 +329,13 @@ def train(
     resume: bool = False,
     allow_imports: tuple[str, ...] = (),
     log: bool = True,
+    stop_file: str = "",
 ) -> RunSummary | None:
     """Run ``job`` on this rank (inside a process group); rank 0 returns the summary.
+
+    SIGTERM/SIGINT during the steps, or the file ``stop_file`` appearing (how ``hp-train``'s
+    launcher passes on a signal it received), ends the run after the current step, saving
+    a checkpoint of that step when ``checkpoint.dir`` is set.
 
     Example::
 
@@ -420,9 +432,9 @@ def train(
         stepped_model = _WithAuxLoss(model)
     if metrics is not None:
         metrics.start(nparams=nparams, world=world, first_step=state.step + 1)
-    stop = _Stop()
+    stop = _Stop(stop_file)
     pending: PendingSave | None = None
-    profile = _profiler(job, rank)
+    profile = _profiler(job, rank, state.step + 1)
     everyone = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
     with stop.installed(), profile as profiler:
         for step in range(state.step + 1, job.training.steps + 1):
@@ -626,10 +638,14 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _profiler(job: JobConfig, rank: int) -> Any:
-    """A torch.profiler over steps ``start_step..end_step`` when ``profiling.dir`` is set."""
+def _profiler(job: JobConfig, rank: int, first_step: int) -> Any:
+    """A torch.profiler over steps ``start_step..end_step`` when ``profiling.dir`` is set.
+
+    Steps count from the job's start: a run resumed at ``first_step`` profiles what is left
+    of the range, and writes nothing once the range is behind it.
+    """
     prof = job.profiling
-    if not prof.dir or prof.end_step < prof.start_step or prof.start_step < 1:
+    if not prof.dir or prof.start_step < 1 or prof.end_step < max(prof.start_step, first_step):
         return nullcontext(None)
     directory = Path(prof.dir)
 
@@ -639,7 +655,10 @@ def _profiler(job: JobConfig, rank: int) -> Any:
 
     return torch.profiler.profile(
         schedule=torch.profiler.schedule(
-            wait=prof.start_step - 1, warmup=0, active=prof.end_step - prof.start_step + 1, repeat=1
+            wait=max(prof.start_step - first_step, 0),
+            warmup=0,
+            active=prof.end_step - max(prof.start_step, first_step) + 1,
+            repeat=1,
         ),
         on_trace_ready=export,
     )
