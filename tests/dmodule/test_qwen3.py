@@ -201,7 +201,6 @@ def _train_parallel(directory: str, out: str, degrees: dict[str, int]) -> dict[s
 def _check_training(tmp_path: Path, hf_config: Any, degrees: dict[str, int]) -> list[Any]:
     hf = _hf_model(hf_config)
     hf.save_pretrained(tmp_path / "hf")
-    want_logits = _hf_logits(hf.eval())
     # ep and etp refactor the data/tensor ranks: they add none
     world_size = math.prod(n for axis, n in degrees.items() if axis not in ("ep", "etp"))
     results = run_on_ranks(
@@ -212,6 +211,14 @@ def _check_training(tmp_path: Path, hf_config: Any, degrees: dict[str, int]) -> 
         degrees,
         timeout_s=300,
     )
+    _check_against_transformers(tmp_path, hf, results)
+    return results
+
+
+def _check_against_transformers(tmp_path: Path, hf: Any, results: list[Any]) -> None:
+    """Each rank's :func:`_train_parallel` result equals transformers' ``hf`` (saved in
+    ``tmp_path / "hf"``) trained on the global batch: logits, first gradients, saved weights."""
+    want_logits = _hf_logits(hf.eval())
     for found in results:
         assert_close_to_scale(found["logits"], want_logits, rel=1e-5, what="loaded logits")
         assert found["grads_are_dtensors"]
@@ -225,7 +232,6 @@ def _check_training(tmp_path: Path, hf_config: Any, degrees: dict[str, int]) -> 
     assert sorted(ours) == sorted(theirs)
     for key, want in theirs.items():
         assert_close_to_scale(ours[key], want, rel=1e-4, what=f"{key} after {STEPS} steps")
-    return results
 
 
 def test_dense_tp2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> None:
