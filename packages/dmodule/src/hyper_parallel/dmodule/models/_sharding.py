@@ -1,7 +1,8 @@
-"""Plan steps the reference models share: the ``tp`` head-count check, compile, the pipeline call.
+"""What the reference models' plans share: head-count checks, compile, the pipeline call.
 
 Each model's plan still lives in its own file (``llama_sharding.py``, ``qwen3_sharding.py``);
-what is the same logic in both is written once here and called from there.
+what is the same logic in both (and in their Configs' checks) is written once here and
+called from there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule._checks import require_positive
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.layers import cross_entropy
@@ -19,7 +22,13 @@ from hyper_parallel.dmodule.pipeline import Pipeline, pipeline
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
 
-__all__ = ["apply_compile", "check_heads_divide_tp", "pipeline_with_loss", "tp_size"]
+__all__ = [
+    "apply_compile",
+    "check_head_sizes",
+    "check_heads_divide_tp",
+    "pipeline_with_loss",
+    "tp_size",
+]
 
 #: The options a model's ``pipelining_fn`` reads from ``job_config["pipeline"]``.
 PIPELINE_OPTIONS = ("schedule", "n_microbatches", "stages_per_rank", "split")
@@ -28,6 +37,10 @@ PIPELINE_OPTIONS = ("schedule", "n_microbatches", "stages_per_rank", "split")
 class _HeadCounts(Protocol):
     n_heads: int
     n_kv_heads: int | None
+
+
+class _HeadSizes(_HeadCounts, Protocol):
+    dim: int
 
 
 _M = TypeVar("_M", bound=torch.nn.Module)
@@ -48,6 +61,36 @@ def tp_size(mesh: DeviceMesh | ParallelDims) -> int | None:
     return mesh.size(names.index(tp_name)) if tp_name in names else None
 
 
+def check_head_sizes(config: _HeadSizes, *, dim_path: str = "dim") -> None:
+    """A Config's head layout, or a ``ConfigError`` naming the field: ``n_heads`` divides by
+    ``n_kv_heads``; ``dim`` by ``n_heads`` unless the Config gives its own ``head_dim``
+    (then an int >= 1). ``dim_path``: the field an indivisible ``dim`` is reported on.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> check_head_sizes(SimpleNamespace(dim=64, n_heads=4, n_kv_heads=3))
+        Traceback (most recent call last):
+        ...
+        hyper_parallel.config.errors.ConfigError: n_kv_heads: expected n_heads (4) to divide by n_kv_heads, found 3
+    """
+    has_head_dim = hasattr(config, "head_dim")  # Qwen3's; Llama's is dim / n_heads
+    if getattr(config, "head_dim", None) is not None:
+        require_positive(config, "head_dim")
+    elif config.dim % config.n_heads:
+        given = " when head_dim is not given" if has_head_dim else ""
+        raise ConfigError(
+            f"expected dim to divide by n_heads ({config.n_heads}){given}, found {config.dim}",
+            path=dim_path,
+        )
+    n_kv = config.n_kv_heads if config.n_kv_heads is not None else config.n_heads
+    if config.n_heads % n_kv:
+        raise ConfigError(
+            f"expected n_heads ({config.n_heads}) to divide by n_kv_heads, found {n_kv}",
+            path="n_kv_heads",
+        )
+
+
 def check_heads_divide_tp(
     config: _HeadCounts, mesh: DeviceMesh | ParallelDims, *, where: str
 ) -> None:
@@ -55,8 +98,8 @@ def check_heads_divide_tp(
 
     Example::
 
-        >>> from hyper_parallel.dmodule.models.llama import Llama
-        >>> check_heads_divide_tp(Llama.Config(n_heads=3, n_kv_heads=3),
+        >>> from types import SimpleNamespace
+        >>> check_heads_divide_tp(SimpleNamespace(n_heads=3, n_kv_heads=3),
         ...                       ParallelDims(tp=2, world_size=2), where="Llama.parallelize")
         Traceback (most recent call last):
         ...

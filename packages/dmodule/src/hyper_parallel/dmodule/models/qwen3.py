@@ -18,7 +18,7 @@ from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
-from hyper_parallel.dmodule.models._sharding import pipeline_with_loss
+from hyper_parallel.dmodule.models._sharding import check_head_sizes, pipeline_with_loss
 from hyper_parallel.dmodule.models.qwen3_hf import Qwen3StateDictAdapter, qwen3_config_from_hf
 from hyper_parallel.dmodule.models.qwen3_sharding import (
     apply_compile,
@@ -115,20 +115,7 @@ class Qwen3(BaseModel):
                 "decoder_sparse_step",
             )
             require_positive_float(self, "norm_eps", "rope_theta")
-            if self.head_dim is not None:
-                require_positive(self, "head_dim")
-            elif self.dim % self.n_heads:
-                raise ConfigError(
-                    f"expected dim to divide by n_heads ({self.n_heads}) when head_dim is not "
-                    f"given, found {self.dim}",
-                    path="dim",
-                )
-            n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-            if self.n_heads % n_kv:
-                raise ConfigError(
-                    f"expected n_heads ({self.n_heads}) to divide by n_kv_heads, found {n_kv}",
-                    path="n_kv_heads",
-                )
+            check_head_sizes(self)
             if not isinstance(self.num_experts, int) or self.num_experts < 0:
                 raise ConfigError(
                     f"expected an int >= 0 (0: dense), found {self.num_experts!r}",
