@@ -162,14 +162,17 @@ def test_qwen3_is_registered_as_qwen3_ref_spec_with_dense_and_moe_flavors() -> N
 
 
 # -- two ranks: load, train, save ----------------------------------------------------------
-def _train_parallel(directory: str, out: str, degrees: dict[str, int]) -> dict[str, Any]:
+def _train_parallel(
+    directory: str, out: str, degrees: dict[str, int], sequence_parallel: bool = False
+) -> dict[str, Any]:
     """from_hf on meta, the spec's parallelize_fn, load_hf, STEPS AdamW steps, save_hf."""
     torch.set_num_threads(1)
     dims = ParallelDims(**degrees)
     batch_rank = dims.get_mesh("batch").get_local_rank() if dims.dp > 1 else 0
     rows = slice(batch_rank * BATCH // dims.dp, (batch_rank + 1) * BATCH // dims.dp)
+    config = Qwen3.Config.from_hf(directory).replace(sequence_parallel=sequence_parallel)
     with torch.device("meta"):
-        model = Qwen3.Config.from_hf(directory).build()
+        model = config.build()
     spec = get_spec("qwen3-ref")
     assert spec.parallelize_fn is not None
     spec.parallelize_fn(model, dims)
@@ -211,27 +214,31 @@ def _check_training(tmp_path: Path, hf_config: Any, degrees: dict[str, int]) -> 
         degrees,
         timeout_s=300,
     )
-    _check_against_transformers(tmp_path, hf, results)
+    _check_against_transformers(tmp_path, hf, {"ours": results})
     return results
 
 
-def _check_against_transformers(tmp_path: Path, hf: Any, results: list[Any]) -> None:
-    """Each rank's :func:`_train_parallel` result equals transformers' ``hf`` (saved in
-    ``tmp_path / "hf"``) trained on the global batch: logits, first gradients, saved weights."""
+def _check_against_transformers(tmp_path: Path, hf: Any, runs: dict[str, list[Any]]) -> None:
+    """Each rank's :func:`_train_parallel` result of each run (saved in ``tmp_path / name``)
+    equals transformers' ``hf`` (saved in ``tmp_path / "hf"``) trained on the global batch:
+    logits, first gradients, saved weights."""
     want_logits = _hf_logits(hf.eval())
-    for found in results:
-        assert_close_to_scale(found["logits"], want_logits, rel=1e-5, what="loaded logits")
-        assert found["grads_are_dtensors"]
+    for results in runs.values():
+        for found in results:
+            assert_close_to_scale(found["logits"], want_logits, rel=1e-5, what="loaded logits")
+            assert found["grads_are_dtensors"]
     want_grads = _hf_train(hf)
-    for found in results:
-        assert sorted(found["grads"]) == sorted(want_grads)
-        for key, want in want_grads.items():
-            assert_close_to_scale(found["grads"][key], want, rel=1e-5, what=f"{key}.grad")
     hf.save_pretrained(tmp_path / "hf-trained")
-    ours, theirs = _read_dir(tmp_path / "ours"), _read_dir(tmp_path / "hf-trained")
-    assert sorted(ours) == sorted(theirs)
-    for key, want in theirs.items():
-        assert_close_to_scale(ours[key], want, rel=1e-4, what=f"{key} after {STEPS} steps")
+    theirs = _read_dir(tmp_path / "hf-trained")
+    for name, results in runs.items():
+        for found in results:
+            assert sorted(found["grads"]) == sorted(want_grads)
+            for key, want in want_grads.items():
+                assert_close_to_scale(found["grads"][key], want, rel=1e-5, what=f"{key}.grad")
+        ours = _read_dir(tmp_path / name)
+        assert sorted(ours) == sorted(theirs)
+        for key, want in theirs.items():
+            assert_close_to_scale(ours[key], want, rel=1e-4, what=f"{name}: {key} after {STEPS}")
 
 
 def test_dense_tp2_loads_trains_and_saves_like_transformers(tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ One 4-rank launch runs both layouts:
   stage after each AdamW step. Oracle: one process, the same Qwen3 built and initialised
   after the same seed, trained on the global batch: initial values bitwise, losses,
   gradients, parameters and expert biases to scale.
-- ``ParallelDims(dp_shard=2, tp=2, ep=2, etp=2)``: ``parallelize_qwen3`` turns on the
-  experts' ``etp`` layout; loaded from a transformers checkpoint, trained and saved, then
-  compared with transformers' ``Qwen3MoeForCausalLM`` trained on the global batch.
+- ``ParallelDims(dp_shard=2, tp=2, ep=2, etp=2)``, with and without sequence parallelism:
+  ``parallelize_qwen3`` turns on the experts' ``etp`` layout; loaded from a transformers
+  checkpoint, trained and saved, then compared with transformers' ``Qwen3MoeForCausalLM``
+  trained on the global batch.
 """
 
 from __future__ import annotations
@@ -104,9 +105,13 @@ def _pipeline_pp2_ep2() -> Record:
     return record
 
 
-def _both_layouts(hf_dir: str, out_dir: str) -> dict[str, Any]:
+def _layouts(hf_dir: str, out_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {"pp2_ep2": _pipeline_pp2_ep2(), "etp2": _train_parallel(hf_dir, out_dir, ETP_DEGREES)}
+    return {
+        "pp2_ep2": _pipeline_pp2_ep2(),
+        "etp2": _train_parallel(hf_dir, f"{out_dir}/etp2", ETP_DEGREES),
+        "etp2_sp": _train_parallel(hf_dir, f"{out_dir}/etp2_sp", ETP_DEGREES, True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +119,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[di
     tmp_path = tmp_path_factory.mktemp("qwen3_layouts")
     hf = _hf_model(_moe_hf_config())
     hf.save_pretrained(tmp_path / "hf")
-    results = run_on_ranks(
-        _both_layouts, 4, str(tmp_path / "hf"), str(tmp_path / "ours"), timeout_s=400
-    )
+    results = run_on_ranks(_layouts, 4, str(tmp_path / "hf"), str(tmp_path), timeout_s=400)
     return tmp_path, hf, results
 
 
@@ -171,13 +174,15 @@ def test_tp2_ep2_etp2_splits_expert_hidden_units_and_trains_like_transformers(
     launch: tuple[Path, Any, list[dict[str, Any]]],
 ) -> None:
     tmp_path, hf, ranks = launch
-    results = [rank["etp2"] for rank in ranks]
-    for result in results:
-        shapes = result["local_shapes"]
-        # ep=2: 2 of 4 experts; etp=2: 6 of their 12 hidden units (w1/w3 dim 1, w2 dim 2)
-        assert shapes["layers.1.feed_forward.experts.w1"] == (2, 6, 16)
-        assert shapes["layers.1.feed_forward.experts.w2"] == (2, 16, 6)
-    _check_against_transformers(tmp_path, hf, results)
+    runs = {name: [rank[name] for rank in ranks] for name in ("etp2", "etp2_sp")}
+    for results in runs.values():
+        for result in results:
+            shapes = result["local_shapes"]
+            # ep=2: 2 of 4 experts; etp=2: 6 of their 12 hidden units (w1/w3 dim 1, w2 dim 2)
+            assert shapes["layers.1.feed_forward.experts.w1"] == (2, 6, 16)
+            assert shapes["layers.1.feed_forward.experts.w2"] == (2, 16, 6)
+    # with sequence parallelism too: the MoE gathers the sequence shards, slices its output
+    _check_against_transformers(tmp_path, hf, runs)
 
 
 def test_experts_on_ep_and_etp_with_efsdp_copies_are_refused_before_anything_changes() -> None:
