@@ -417,7 +417,11 @@ def pipeline(
     _check_microbatches(schedule_name, n_microbatches, pp, num_stages, where=where)
     plans = plan_stages(model, cut, num_stages, split, where=where)
     others = tuple(n for n in names if n != PP)
-    layout = _activation_layout(cut.activation_layout(config), mesh, others, dims, where=where)
+    # stages are parallelized over the dims themselves only when the mesh has other axes
+    stage_dims = dims if others else None
+    layout = _activation_layout(
+        cut.activation_layout(config), mesh, others, stage_dims, where=where
+    )
 
     # -- build: nothing above allocated, communicated or changed the model ------------
     from torch.distributed.pipelining.schedules import get_schedule_class  # heavy: when used
@@ -511,8 +515,9 @@ def _activation_layout(
 ) -> _Layout | None:
     """The declared layout over the mesh axes it names that this mesh has (none: plain tensors).
 
-    With a :class:`ParallelDims` it lives on the view holding the axes it names, sizes of 1
-    included: the stages' DTensors live there too (e.g. on a ``tp`` of size 1).
+    With the :class:`ParallelDims` the stages are parallelized over, it lives on the view
+    holding the axes it names, sizes of 1 included: the stages' DTensors live there too
+    (e.g. on a ``tp`` of size 1).
     """
     if declared is None:
         return None
