@@ -1,6 +1,6 @@
 """qwen3-ref's MoE under pipeline x expert parallelism and expert tensor parallelism.
 
-One 4-rank launch runs both layouts:
+One 4-rank launch runs every layout (with ``test_qwen3.py``'s ``ep=2 x efsdp=2``):
 
 - ``ParallelDims(pp=2, dp_shard=2, ep=2)``: the spec's ``pipelining_fn`` (torch's 1F1B),
   MoE blocks on both stages with aux-loss-free balancing, ``update_load_balance`` per
@@ -23,10 +23,13 @@ import torch
 from tests._harness import run_on_ranks
 from tests._tolerance import assert_close_to_scale
 from tests.dmodule.test_qwen3 import (  # skips this module too without transformers
-    _check_against_transformers,
+    Oracle,
+    _check_run,
     _hf_model,
     _moe_hf_config,
     _train_parallel,
+    _transformers_oracle,
+    transformers,
 )
 
 from hyper_parallel.dmodule import ParallelDims
@@ -54,6 +57,7 @@ CONFIG = Qwen3.Config(
 )
 BATCH, SEQ, MICROBATCHES, STEPS, LR, SEED = 8, 8, 2, 3, 1e-2, 0
 ETP_DEGREES = {"dp_shard": 2, "tp": 2, "ep": 2, "etp": 2}
+EFSDP_DEGREES = {"dp_shard": 4, "ep": 2}  # experts' FSDP over efsdp=2
 
 Record = dict[str, Any]
 
@@ -109,23 +113,26 @@ def _layouts(hf_dir: str, out_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {
         "pp2_ep2": _pipeline_pp2_ep2(),
+        "efsdp2": _train_parallel(hf_dir, f"{out_dir}/efsdp2", EFSDP_DEGREES),
         "etp2": _train_parallel(hf_dir, f"{out_dir}/etp2", ETP_DEGREES),
         "etp2_sp": _train_parallel(hf_dir, f"{out_dir}/etp2_sp", ETP_DEGREES, True),
     }
 
 
+Launch = tuple[Path, Oracle, list[dict[str, Any]]]
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[dict[str, Any]]]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """The 4-rank launch, and transformers' results on the checkpoint it loaded."""
     tmp_path = tmp_path_factory.mktemp("qwen3_layouts")
     hf = _hf_model(_moe_hf_config())
     hf.save_pretrained(tmp_path / "hf")
     results = run_on_ranks(_layouts, 4, str(tmp_path / "hf"), str(tmp_path), timeout_s=400)
-    return tmp_path, hf, results
+    return tmp_path, _transformers_oracle(tmp_path, hf), results
 
 
-def test_pp2_ep2_pipeline_trains_and_balances_as_one_process(
-    launch: tuple[Path, Any, list[dict[str, Any]]],
-) -> None:
+def test_pp2_ep2_pipeline_trains_and_balances_as_one_process(launch: Launch) -> None:
     records = [rank["pp2_ep2"] for rank in launch[2]]
     for record in records:
         for name, shape in record["expert_shapes"].items():  # 2 of the 4 experts each
@@ -170,19 +177,32 @@ def test_pp2_ep2_pipeline_trains_and_balances_as_one_process(
     assert any(bool(b.abs().sum()) for b in want_biases.values()), "the biases moved"
 
 
-def test_tp2_ep2_etp2_splits_expert_hidden_units_and_trains_like_transformers(
-    launch: tuple[Path, Any, list[dict[str, Any]]],
+def test_ep2_efsdp2_shards_experts_over_efsdp_and_trains_like_transformers(
+    launch: Launch,
 ) -> None:
-    tmp_path, hf, ranks = launch
-    runs = {name: [rank[name] for rank in ranks] for name in ("etp2", "etp2_sp")}
-    for results in runs.values():
-        for result in results:
-            shapes = result["local_shapes"]
-            # ep=2: 2 of 4 experts; etp=2: 6 of their 12 hidden units (w1/w3 dim 1, w2 dim 2)
-            assert shapes["layers.1.feed_forward.experts.w1"] == (2, 6, 16)
-            assert shapes["layers.1.feed_forward.experts.w2"] == (2, 16, 6)
-    # with sequence parallelism too: the MoE gathers the sequence shards, slices its output
-    _check_against_transformers(tmp_path, hf, runs)
+    tmp_path, oracle, ranks = launch
+    results = [rank["efsdp2"] for rank in ranks]
+    for result in results:  # ep=2 x efsdp=2: each rank reads and holds 1 of the 4 experts
+        assert result["local_shapes"]["layers.1.feed_forward.experts.w1"] == (1, 12, 16)
+    _check_run(tmp_path / "efsdp2", results, oracle)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "efsdp2")
+    assert type(loaded) is transformers.Qwen3MoeConfig
+    assert (loaded.num_experts, loaded.mlp_only_layers) == (4, [0])
+
+
+@pytest.mark.parametrize("run", ["etp2", "etp2_sp"], ids=["replicated", "sequence-parallel"])
+def test_tp2_ep2_etp2_splits_expert_hidden_units_and_trains_like_transformers(
+    launch: Launch, run: str
+) -> None:
+    tmp_path, oracle, ranks = launch
+    results = [rank[run] for rank in ranks]
+    for result in results:
+        shapes = result["local_shapes"]
+        # ep=2: 2 of 4 experts; etp=2: 6 of their 12 hidden units (w1/w3 dim 1, w2 dim 2)
+        assert shapes["layers.1.feed_forward.experts.w1"] == (2, 6, 16)
+        assert shapes["layers.1.feed_forward.experts.w2"] == (2, 16, 6)
+    # sequence parallel: the MoE gathers the sequence shards and slices its output back
+    _check_run(tmp_path / run, results, oracle)
 
 
 def test_experts_on_ep_and_etp_with_efsdp_copies_are_refused_before_anything_changes() -> None:
