@@ -35,7 +35,7 @@ from tests.dmodule.test_qwen3 import (  # skips this module too without transfor
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.layers import update_load_balance
 from hyper_parallel.dmodule.model_spec import get_spec
-from hyper_parallel.dmodule.models.qwen3 import Qwen3
+from hyper_parallel.dmodule.models.qwen3 import Qwen3, pipeline_qwen3
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dtensor import DTensor
 
@@ -213,3 +213,10 @@ def test_experts_on_ep_and_etp_with_efsdp_copies_are_refused_before_anything_cha
         get_spec("qwen3-ref").parallelize_fn(model, dims)  # type: ignore[misc]
     assert not dims.is_built
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_qwen3_pipelining_fn_refuses_unknown_options_naming_itself() -> None:
+    with torch.device("meta"):
+        model = CONFIG.build()
+    with pytest.raises(ValueError, match=r"pipeline_qwen3: .* names \['microbatches'\]"):
+        pipeline_qwen3(model, ParallelDims(pp=2, world_size=2), {"pipeline": {"microbatches": 2}})
