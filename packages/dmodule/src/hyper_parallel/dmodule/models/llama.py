@@ -7,7 +7,7 @@ Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelS
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from hyper_parallel.dmodule.context_parallel import (
 )
 from hyper_parallel.dmodule.layers import TransformerBlock, cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.dmodule.models._sharding import check_head_sizes, pipeline_with_loss
 from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
 from hyper_parallel.dmodule.models.llama_sharding import (
     apply_compile,
@@ -48,9 +49,8 @@ from hyper_parallel.dmodule.pipeline import (
     Pipeline,
     PipelineSplit,
     StageLayers,
-    pipeline,
 )
-from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
 from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
 
 __all__ = [
@@ -145,17 +145,7 @@ class Llama(BaseModel):
                     "local_map blocks), found use_local_map=false",
                     path="compile_local_map",
                 )
-            if self.dim % self.n_heads:
-                raise ConfigError(
-                    f"expected dim to divide by n_heads ({self.n_heads}), found {self.dim}",
-                    path="dim",
-                )
-            n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-            if self.n_heads % n_kv:
-                raise ConfigError(
-                    f"expected n_heads ({self.n_heads}) to divide by n_kv_heads, found {n_kv}",
-                    path="n_kv_heads",
-                )
+            check_head_sizes(self)
             if self.use_rope and (self.dim // self.n_heads) % 2:
                 raise ConfigError(
                     f"expected an even head dim (dim / n_heads) for rotary embeddings, found "
@@ -441,17 +431,7 @@ def pipeline_llama(
 
         pipe = pipeline_llama(model, mesh, {"pipeline": {"schedule": "GPipe", "n_microbatches": 4}})
     """
-    section = job_config.get("pipeline", {}) if isinstance(job_config, Mapping) else {}
-    options = dict(section)
-    unknown = sorted(set(options) - {"schedule", "n_microbatches", "stages_per_rank", "split"})
-    if unknown:
-        raise ValueError(
-            f"pipeline_llama: job_config['pipeline'] names {unknown}; expected schedule, "
-            f"n_microbatches, stages_per_rank or split"
-        )
-    pp = mesh.pp if isinstance(mesh, ParallelDims) else mesh.size(axis_name(MeshAxisName.PP))
-    options.setdefault("n_microbatches", pp)
-    return pipeline(model, mesh, loss_fn=cross_entropy, **options)
+    return pipeline_with_loss(model, mesh, job_config, where="pipeline_llama")
 
 
 #: The reference model's spec: ``get_spec("llama-ref").config("debug").build()``.

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpoint_mode,
@@ -56,6 +55,7 @@ from hyper_parallel.dmodule.layers import (
     RMSNorm,
     TransformerBlock,
 )
+from hyper_parallel.dmodule.models._sharding import apply_compile, check_heads_divide_tp
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
@@ -369,33 +369,8 @@ def apply_tp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
 
         apply_tp(Llama.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     """
-    tp_name = axis_name(MeshAxisName.TP)
-    if isinstance(mesh, ParallelDims):
-        tp: int | None = mesh.tp
-    else:
-        names = tuple(mesh.mesh_dim_names or ())
-        tp = mesh.size(names.index(tp_name)) if tp_name in names else None
-    if tp is not None:
-        cfg = model.config
-        n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
-        if cfg.n_heads % tp or n_kv % tp:
-            raise ValueError(
-                f"Llama.parallelize: n_heads ({cfg.n_heads}) and n_kv_heads ({n_kv}) must "
-                f"divide by the size of mesh axis 'tp' ({tp})"
-            )
+    check_heads_divide_tp(model.config, mesh, where="Llama.parallelize")
     Module.parallelize(model, mesh)
-    return model
-
-
-def apply_compile(model: Llama) -> Llama:
-    """``torch.compile`` the ``local_map`` blocks' local math when ``compile_local_map`` is set.
-
-    Example::
-
-        apply_compile(model)  # after apply_tp: a no-op unless model.config.compile_local_map
-    """
-    if model.config.compile_local_map:
-        compile_local_maps(model)
     return model
 
 

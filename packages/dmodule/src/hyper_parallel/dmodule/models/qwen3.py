@@ -18,6 +18,7 @@ from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.dmodule.models._sharding import check_head_sizes, pipeline_with_loss
 from hyper_parallel.dmodule.models.qwen3_hf import Qwen3StateDictAdapter, qwen3_config_from_hf
 from hyper_parallel.dmodule.models.qwen3_sharding import (
     apply_compile,
@@ -29,9 +30,11 @@ from hyper_parallel.dmodule.models.qwen3_sharding import (
     parallelize_qwen3,
 )
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
-from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dmodule.pipeline import Pipeline, PipelineSplit
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
+from hyper_parallel.dtensor import DeviceMesh, Replicate, Shard
 
-__all__ = ["QWEN3_SPEC", "Qwen3", "parallelize_qwen3"]
+__all__ = ["QWEN3_PIPELINE_SPLIT", "QWEN3_SPEC", "Qwen3", "parallelize_qwen3", "pipeline_qwen3"]
 
 
 class Qwen3(BaseModel):
@@ -112,20 +115,7 @@ class Qwen3(BaseModel):
                 "decoder_sparse_step",
             )
             require_positive_float(self, "norm_eps", "rope_theta")
-            if self.head_dim is not None:
-                require_positive(self, "head_dim")
-            elif self.dim % self.n_heads:
-                raise ConfigError(
-                    f"expected dim to divide by n_heads ({self.n_heads}) when head_dim is not "
-                    f"given, found {self.dim}",
-                    path="dim",
-                )
-            n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-            if self.n_heads % n_kv:
-                raise ConfigError(
-                    f"expected n_heads ({self.n_heads}) to divide by n_kv_heads, found {n_kv}",
-                    path="n_kv_heads",
-                )
+            check_head_sizes(self)
             if not isinstance(self.num_experts, int) or self.num_experts < 0:
                 raise ConfigError(
                     f"expected an int >= 0 (0: dense), found {self.num_experts!r}",
@@ -249,17 +239,57 @@ def _flavors() -> dict[str, Any]:
     }
 
 
+def _qwen3_activation(config: Qwen3.Config) -> NamedPlacement:
+    # the residual stream between blocks: split along the sequence with sequence parallelism
+    return {MeshAxisName.TP: Shard(1) if config.sequence_parallel else Replicate()}
+
+
+#: Where qwen3-ref is cut into pipeline stages: between blocks (dense or MoE alike); the
+#: embedding on the first stage, the final norm and the output projection on the last.
+QWEN3_PIPELINE_SPLIT = PipelineSplit(
+    layers="layers",
+    first=("tok_embeddings",),
+    last=("norm", "output"),
+    activation=_qwen3_activation,
+)
+
+
+def pipeline_qwen3(
+    model: Qwen3, mesh: DeviceMesh | ParallelDims, job_config: object = None
+) -> Pipeline:
+    """The spec's ``pipelining_fn``: stages run by torch's schedules, each parallelized by
+    :func:`parallelize_qwen3` over ``mesh``'s other axes.
+
+    With a :class:`ParallelDims` the MoE blocks of each stage get the expert view (``ep``,
+    ``etp``, ``efsdp`` within the stage's ``pp`` rank); ``update_load_balance(part, dims)``
+    on each of ``Pipeline.model_parts`` after the optimizer step moves the biases of that
+    stage's MoE blocks from the counts of every microbatch of every data rank.
+    ``job_config["pipeline"]`` (a mapping) may give ``schedule``, ``n_microbatches``
+    (default: the ``pp`` size), ``stages_per_rank`` and ``split``.
+
+    Example::
+
+        with torch.device("meta"):
+            model = Qwen3.Config(num_experts=4, n_layers=4).build()
+        pipe = pipeline_qwen3(model, ParallelDims(pp=2, dp_shard=2, ep=2),
+                              {"pipeline": {"schedule": "1F1B", "n_microbatches": 4}})
+    """
+    return pipeline_with_loss(model, mesh, job_config, where="pipeline_qwen3")
+
+
 #: The reference model's spec: ``get_spec("qwen3-ref").config("debug-moe").build()``.
 QWEN3_SPEC = ModelSpec(
     name="qwen3-ref",
     model=Qwen3.Config(),
     parallelize_fn=parallelize_qwen3,
+    pipelining_fn=pipeline_qwen3,
     flavors=_flavors(),
     state_dict_adapter=Qwen3StateDictAdapter,
     description=(
         "Reference Qwen3 / Qwen3-MoE decoder (q/k norm, GQA, RoPE, SwiGLU or top-k experts), "
-        "equal to transformers'; TP over 'tp', experts over 'ep'."
+        "equal to transformers'; TP over 'tp', experts over 'ep' (and 'etp'), stages over 'pp'."
     ),
+    pipeline_split=QWEN3_PIPELINE_SPLIT,
 )
 # At import on purpose: users call get_spec("qwen3-ref") after importing this module.
 register_spec(QWEN3_SPEC)

@@ -20,10 +20,12 @@ from hyper_parallel.dmodule.layers import (
     Linear,
     MoE,
     RMSNorm,
+    TransformerBlock,
     apply_rotary,
     block_sharding,
     rotary_tables,
 )
+from hyper_parallel.dmodule.models._sharding import check_head_sizes
 from hyper_parallel.dmodule.module import Module
 
 __all__ = ["Qwen3Attention", "Qwen3Block"]
@@ -72,20 +74,7 @@ class Qwen3Attention(Module):
             Module.Config.validate(self)
             require_positive(self, "dim", "n_heads", "n_kv_heads", "max_seq_len")
             require_positive_float(self, "rope_theta", "norm_eps")
-            if self.head_dim is not None:
-                require_positive(self, "head_dim")
-            elif self.dim % self.n_heads:
-                raise ConfigError(
-                    f"expected dim to divide by n_heads ({self.n_heads}) when head_dim is not "
-                    f"given, found {self.dim}",
-                    path="head_dim",
-                )
-            if self.n_heads % self.kv_heads:
-                raise ConfigError(
-                    f"expected n_heads ({self.n_heads}) to divide by n_kv_heads, found "
-                    f"{self.kv_heads}",
-                    path="n_kv_heads",
-                )
+            check_head_sizes(self, dim_path="head_dim")
             if self.head_size % 2:
                 raise ConfigError(
                     f"expected an even head_dim for rotary embeddings, found {self.head_size}",
@@ -159,11 +148,12 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
 
 
-class Qwen3Block(Module):
+class Qwen3Block(TransformerBlock):
     """``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``; the MLP dense or MoE.
 
-    The block declares no sharding of its own: its parts do (chosen in
-    ``models/qwen3_sharding.py``).
+    :class:`~hyper_parallel.dmodule.layers.TransformerBlock` (its forward and parts) with
+    Qwen3's attention and a feed-forward that may be a mixture of experts. The block
+    declares no sharding of its own: its parts do (chosen in ``models/qwen3_sharding.py``).
 
     Example::
 
@@ -190,17 +180,3 @@ class Qwen3Block(Module):
         feed_forward: FeedForward.Config | MoE.Config = FeedForward.Config()  # noqa: RUF009 - copied per instance
         attention_norm: RMSNorm.Config = RMSNorm.Config()  # noqa: RUF009 - copied per instance
         ffn_norm: RMSNorm.Config = RMSNorm.Config()  # noqa: RUF009 - copied per instance
-
-    def __init__(self, config: Qwen3Block.Config) -> None:
-        super().__init__()
-        self.config = config
-        self.attention_norm = config.attention_norm.build()
-        self.attention = config.attention.build()
-        self.ffn_norm = config.ffn_norm.build()
-        self.feed_forward = config.feed_forward.build()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One pre-norm residual block over ``x`` of shape ``(batch, seq, dim)``."""
-        h = x + self.attention(self.attention_norm(x))
-        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
-        return out

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpoint_mode,
@@ -45,10 +44,13 @@ from hyper_parallel.dmodule.layers import (
     MoE,
     RMSNorm,
     block_sharding,
+    expert_sharding,
 )
+from hyper_parallel.dmodule.models._sharding import apply_compile, check_heads_divide_tp
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
+from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule, fully_shard
@@ -216,7 +218,7 @@ def parallelize_qwen3(
         model = parallelize_qwen3(Qwen3.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
-    _check_expert_layout(mesh)
+    _check_expert_layout(model, mesh)
     tp_mesh = _tp_mesh(mesh)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
@@ -243,40 +245,49 @@ def apply_tp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
 
     One :meth:`Module.parallelize` places every state: dense ones on the dense view, the
     routed experts on the expert view (``Shard(0)`` on ``ep``) when given a
-    :class:`ParallelDims`.
+    :class:`ParallelDims`. With ``etp == tp > 1`` the experts' hidden units are split over
+    ``etp`` too (:func:`~hyper_parallel.dmodule.layers.expert_sharding` with ``etp=True``)
+    and each MoE takes its tokens replicated over ``tp`` (gathered from sequence shards
+    under ``sequence_parallel``, its output sliced back to them). Nothing changes when a
+    check fails.
 
     Example::
 
         apply_tp(Qwen3.Config().build(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        apply_tp(Qwen3.Config(num_experts=4).build(), ParallelDims(dp_shard=2, tp=2, ep=2, etp=2))
     """
-    tp_name = axis_name(MeshAxisName.TP)
-    if isinstance(mesh, ParallelDims):
-        tp: int | None = mesh.tp
-    else:
-        names = tuple(mesh.mesh_dim_names or ())
-        tp = mesh.size(names.index(tp_name)) if tp_name in names else None
-    cfg = model.config
-    if tp is not None:
-        n_kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
-        if cfg.n_heads % tp or n_kv % tp:
-            raise ValueError(
-                f"Qwen3.parallelize: n_heads ({cfg.n_heads}) and n_kv_heads ({n_kv}) must "
-                f"divide by the size of mesh axis 'tp' ({tp})"
-            )
-    Module.parallelize(model, mesh)
+    check_heads_divide_tp(model.config, mesh, where="Qwen3.parallelize")
+    etp = isinstance(mesh, ParallelDims) and mesh.etp_enabled
+    restore = _use_expert_tensor_parallel(model) if etp else []
+    try:
+        Module.parallelize(model, mesh)
+    except BaseException:
+        for module, sharding in restore:  # a refused layout leaves the model as it was
+            module._sharding_config = sharding
+        raise
     return model
 
 
-def apply_compile(model: Qwen3) -> Qwen3:
-    """``torch.compile`` the ``local_map`` blocks' local math when ``compile_local_map`` is set.
+def _use_expert_tensor_parallel(model: Qwen3) -> list[tuple[Module, ShardingConfig | None]]:
+    """Give every MoE the ``etp`` layouts; the modules and the layouts they had, to undo it.
 
-    Example::
-
-        apply_compile(model)  # after apply_tp: a no-op unless model.config.compile_local_map
+    Under ``etp`` each rank of a ``tp`` group computes a slice of the same tokens' expert
+    outputs, summed over ``etp``: the MoE's input must be the same on those ranks, so it
+    enters replicated over ``tp`` (``block_sharding``'s boundaries, as attention's).
     """
-    if model.config.compile_local_map:
-        compile_local_maps(model)
-    return model
+    sequence_parallel = model.config.sequence_parallel
+    changed: list[tuple[Module, ShardingConfig | None]] = []
+    for layer in model.layers:
+        moe = layer.feed_forward
+        if not isinstance(moe, MoE):
+            continue
+        for module, sharding in (
+            (moe, block_sharding(sequence_parallel=sequence_parallel)),
+            (moe.experts, expert_sharding(etp=True)),
+        ):
+            changed.append((module, module._sharding_config))
+            module._sharding_config = sharding
+    return changed
 
 
 def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
@@ -313,12 +324,26 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
     return model
 
 
-def _check_expert_layout(mesh: DeviceMesh | ParallelDims) -> None:
-    """Qwen3's attention has no context-parallel form: refuse ``cp > 1`` before anything changes."""
-    if isinstance(mesh, ParallelDims) and mesh.cp > 1:
+def _check_expert_layout(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> None:
+    """Refuse what this plan cannot lay out, before anything changes: ``cp > 1`` (Qwen3's
+    attention has no context-parallel form) and routed experts split over both ``ep`` and
+    ``etp`` with copies to shard over ``efsdp`` (hp's ``fully_shard`` takes a parameter on
+    a 1-D inner mesh only)."""
+    if not isinstance(mesh, ParallelDims):
+        return
+    if mesh.cp > 1:
         raise ValueError(
             f"parallelize_qwen3: cp={mesh.cp}: Qwen3Attention has no context parallelism; "
             "expected cp=1"
+        )
+    copies = mesh.efsdp * mesh.dp_replicate
+    has_experts = any(isinstance(layer.feed_forward, MoE) for layer in model.layers)
+    if has_experts and mesh.ep_enabled and mesh.etp_enabled and copies > 1:
+        raise ValueError(
+            f"parallelize_qwen3: ep={mesh.ep} x etp={mesh.etp} with efsdp*dp_replicate = "
+            f"{mesh.efsdp}*{mesh.dp_replicate} = {copies}: the experts' FSDP over efsdp "
+            "takes experts split over ep alone (a 1-D inner mesh); expected efsdp = "
+            "dp_replicate = 1 with etp > 1 (ep = dp_shard*cp), or etp = 1"
         )
 
 
@@ -339,7 +364,7 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
     experts: list[torch.nn.Module] = [e for e in found if isinstance(e, torch.nn.Module)]
     if not experts:
         return set()
-    _check_expert_layout(mesh)
+    _check_expert_layout(model, mesh)
     factor = float(mesh.ep * mesh.efsdp * mesh.dp_replicate)
     if mesh.ep_enabled and mesh.efsdp * mesh.dp_replicate > 1:
         # TorchTitan's layout: the experts' copies sharded over efsdp by their own FSDP units,
@@ -368,8 +393,13 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
 
 
 class _GradMean:
-    """Forward pre-hook: the module's parameters get their gradients summed over the
-    expert's copies and divided, once each parameter."""
+    """Forward pre-hook: each gradient the module's parameters receive is summed over the
+    expert's copies and divided, before it is accumulated.
+
+    Per contribution (a tensor hook, not a post-accumulate one): with gradient
+    accumulation or a pipeline's microbatches a parameter receives several, and each
+    is reduced exactly once, so their sum is the reduced sum.
+    """
 
     def __init__(self, mesh: DeviceMesh | None, axes: tuple[str, ...], factor: float) -> None:
         self.mesh, self.axes, self.factor = mesh, axes, factor
@@ -380,14 +410,16 @@ class _GradMean:
         for param in module.parameters(recurse=False):
             seen = self.hooked.get(id(param))
             if seen is None or seen() is not param:
-                param.register_post_accumulate_grad_hook(self._reduce)  # type: ignore[no-untyped-call]
+                param.register_hook(self._reduce)  # type: ignore[no-untyped-call]
                 self.hooked[id(param)] = weakref.ref(param)
 
-    def _reduce(self, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
+    def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if self.mesh is not None:
-            local.copy_(collectives.all_reduce_over(local, self.mesh, self.axes, "sum"))
-        local.div_(self.factor)
+            local = collectives.all_reduce_over(local, self.mesh, self.axes, "sum")
+        local = local / self.factor
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(
+                local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()
+            )
+        return local

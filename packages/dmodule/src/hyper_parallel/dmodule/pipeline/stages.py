@@ -509,7 +509,11 @@ def pipeline(
     _check_microbatches(schedule_name, n_microbatches, pp, num_stages, where=where)
     plans = plan_stages(model, cut, num_stages, split, where=where)
     others = tuple(n for n in names if n != PP)
-    layout = _activation_layout(cut.activation_layout(config), mesh, others, where=where)
+    # stages are parallelized over the dims themselves only when the mesh has other axes
+    stage_dims = dims if others else None
+    layout = _activation_layout(
+        cut.activation_layout(config), mesh, others, stage_dims, where=where
+    )
 
     # -- build: nothing above allocated, communicated or changed the model ------------
     from torch.distributed.pipelining.schedules import get_schedule_class  # heavy: when used
@@ -598,9 +602,19 @@ def _schedule_name(schedule: object, *, where: str) -> str:
 
 
 def _activation_layout(
-    declared: NamedPlacement | None, mesh: DeviceMesh, others: tuple[str, ...], *, where: str
+    declared: NamedPlacement | None,
+    mesh: DeviceMesh,
+    others: tuple[str, ...],
+    dims: ParallelDims | None = None,
+    *,
+    where: str,
 ) -> _Layout | None:
-    """The declared layout over the mesh axes it names that this mesh has (none: plain tensors)."""
+    """The declared layout over the mesh axes it names that this mesh has (none: plain tensors).
+
+    With the :class:`ParallelDims` the stages are parallelized over, it lives on the view
+    holding the axes it names, sizes of 1 included: the stages' DTensors live there too
+    (e.g. on a ``tp`` of size 1).
+    """
     if declared is None:
         return None
     if not isinstance(declared, Mapping):
@@ -608,6 +622,11 @@ def _activation_layout(
             f"{where}: PipelineSplit.activation: expected placements by mesh axis name "
             f"(e.g. {{'tp': Replicate()}}), found {declared!r}"
         )
+    if dims is not None and declared:
+        view = dims.view_for(declared)
+        names = tuple(view.mesh_dim_names or ())
+        placements = resolve_placements(declared, names, where=f"{where}: PipelineSplit.activation")
+        return _Layout(view, tuple(placements))
     named = {axis_name(k) for k in declared}
     axes = tuple(a for a in others if a in named)
     if not axes:
