@@ -7,6 +7,8 @@ One 4-rank launch runs every layout (with ``test_qwen3.py``'s ``ep=2 x efsdp=2``
   stage after each AdamW step. Oracle: one process, the same Qwen3 built and initialised
   after the same seed, trained on the global batch: initial values bitwise, losses,
   gradients, parameters and expert biases to scale.
+- ``ParallelDims(dp_shard=2, tp=2, ep=2)``: ``ep`` borrows ``tp``'s ranks (``etp = 1``),
+  each tp rank routing half of its group's tokens; against transformers as below.
 - ``ParallelDims(dp_shard=2, tp=2, ep=2, etp=2)``, with and without sequence parallelism:
   ``parallelize_qwen3`` turns on the experts' ``etp`` layout; loaded from a transformers
   checkpoint, trained and saved, then compared with transformers' ``Qwen3MoeForCausalLM``
@@ -58,6 +60,7 @@ CONFIG = Qwen3.Config(
 BATCH, SEQ, MICROBATCHES, STEPS, LR, SEED = 8, 8, 2, 3, 1e-2, 0
 ETP_DEGREES = {"dp_shard": 2, "tp": 2, "ep": 2, "etp": 2}
 EFSDP_DEGREES = {"dp_shard": 4, "ep": 2}  # experts' FSDP over efsdp=2
+EP_TP_DEGREES = {"dp_shard": 2, "tp": 2, "ep": 2}  # etp=1: ep borrows tp's ranks
 
 Record = dict[str, Any]
 
@@ -116,6 +119,7 @@ def _layouts(hf_dir: str, out_dir: str) -> dict[str, Any]:
         "efsdp2": _train_parallel(hf_dir, f"{out_dir}/efsdp2", EFSDP_DEGREES),
         "etp2": _train_parallel(hf_dir, f"{out_dir}/etp2", ETP_DEGREES),
         "etp2_sp": _train_parallel(hf_dir, f"{out_dir}/etp2_sp", ETP_DEGREES, True),
+        "ep_tp": _train_parallel(hf_dir, f"{out_dir}/ep_tp", EP_TP_DEGREES),
     }
 
 
@@ -205,14 +209,16 @@ def test_tp2_ep2_etp2_splits_expert_hidden_units_and_trains_like_transformers(
     _check_run(tmp_path / run, results, oracle)
 
 
-def test_experts_on_ep_and_etp_with_efsdp_copies_are_refused_before_anything_changes() -> None:
-    # 8 ranks: ep=2 x etp=2 leaves efsdp=2 copies, which hp's fully_shard cannot shard
-    dims = ParallelDims(dp_shard=4, tp=2, ep=2, etp=2, world_size=8)
-    model = CONFIG.build()
-    with pytest.raises(ValueError, match=r"ep=2 x etp=2 with efsdp\*dp_replicate = 2\*1 = 2"):
-        get_spec("qwen3-ref").parallelize_fn(model, dims)  # type: ignore[misc]
-    assert not dims.is_built
-    assert not any(isinstance(p, DTensor) for p in model.parameters())
+def test_ep2_borrowing_tp2_routes_each_token_once_and_trains_like_transformers(
+    launch: Launch,
+) -> None:
+    # etp=1 with tp=2: each tp rank routes half of its group's tokens, so an expert's
+    # gradient counts each token once (its mean divides by dp, not dp x tp)
+    tmp_path, oracle, ranks = launch
+    results = [rank["ep_tp"] for rank in ranks]
+    for result in results:  # ep=2 x efsdp=dp_shard*tp/ep=2: 1 of the 4 experts, whole
+        assert result["local_shapes"]["layers.1.feed_forward.experts.w1"] == (1, 12, 16)
+    _check_run(tmp_path / "ep_tp", results, oracle)
 
 
 def test_qwen3_pipelining_fn_refuses_unknown_options_naming_itself() -> None:

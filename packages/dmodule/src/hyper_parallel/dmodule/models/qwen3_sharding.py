@@ -326,24 +326,13 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
 
 def _check_expert_layout(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> None:
     """Refuse what this plan cannot lay out, before anything changes: ``cp > 1`` (Qwen3's
-    attention has no context-parallel form) and routed experts split over both ``ep`` and
-    ``etp`` with copies to shard over ``efsdp`` (hp's ``fully_shard`` takes a parameter on
-    a 1-D inner mesh only)."""
+    attention has no context-parallel form)."""
     if not isinstance(mesh, ParallelDims):
         return
     if mesh.cp > 1:
         raise ValueError(
             f"parallelize_qwen3: cp={mesh.cp}: Qwen3Attention has no context parallelism; "
             "expected cp=1"
-        )
-    copies = mesh.efsdp * mesh.dp_replicate
-    has_experts = any(isinstance(layer.feed_forward, MoE) for layer in model.layers)
-    if has_experts and mesh.ep_enabled and mesh.etp_enabled and copies > 1:
-        raise ValueError(
-            f"parallelize_qwen3: ep={mesh.ep} x etp={mesh.etp} with efsdp*dp_replicate = "
-            f"{mesh.efsdp}*{mesh.dp_replicate} = {copies}: the experts' FSDP over efsdp "
-            "takes experts split over ep alone (a 1-D inner mesh); expected efsdp = "
-            "dp_replicate = 1 with etp > 1 (ep = dp_shard*cp), or etp = 1"
         )
 
 
@@ -365,7 +354,10 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
     if not experts:
         return set()
     _check_expert_layout(model, mesh)
-    factor = float(mesh.ep * mesh.efsdp * mesh.dp_replicate)
+    # the ranks that counted each token: ep*efsdp*dp_replicate covers tp's ranks, which
+    # all route the same tokens unless ep borrows them (etp = 1), when each routes 1/tp
+    borrowed = mesh.tp if mesh.ep_enabled and not mesh.etp_enabled else 1
+    factor = float(mesh.ep * mesh.efsdp * mesh.dp_replicate // borrowed)
     if mesh.ep_enabled and mesh.efsdp * mesh.dp_replicate > 1:
         # TorchTitan's layout: the experts' copies sharded over efsdp by their own FSDP units,
         # whose sum over the copies, divided by every rank the sum counts, is the mean
