@@ -23,6 +23,7 @@ from hyper_parallel.dmodule import ParallelDims, get_spec
 from hyper_parallel.dmodule.checkpoint import (
     ModelState,
     PendingSave,
+    StateDictOptions,
     TrainingState,
     latest_step,
     load,
@@ -32,7 +33,7 @@ from hyper_parallel.dmodule.checkpoint import (
     step_path,
 )
 from hyper_parallel.dmodule.layers import MoE, moe_aux_loss, update_load_balance
-from hyper_parallel.dmodule.models.training import StepResult, train_step
+from hyper_parallel.dmodule.models.training import StepResult, eval_loss, train_step
 from hyper_parallel.dmodule.pipeline import Pipeline
 from hyper_parallel.dtensor import (
     DeviceMesh,
@@ -202,17 +203,32 @@ def check_layout(job: JobConfig, world_size: int) -> None:
                 f"expected 1 with parallelism.pp > 1 (not run with a pipeline yet), found {degree}",
                 path=f"parallelism.{key}",
             )
+    if par.pp > 1 and job.checkpoint.export_hf:
+        raise ConfigError(
+            f"expected no value with parallelism.pp > 1 (the Hugging Face export gathers the "
+            f"whole model on rank 0; not run with a pipeline yet), found "
+            f"{job.checkpoint.export_hf!r}",
+            path="checkpoint.export_hf",
+        )
     if par.pp > 1:
-        for key, value in (
-            ("checkpoint.dir", job.checkpoint.dir),
-            ("validation.interval", job.validation.interval),
-        ):
-            if value:
-                raise ConfigError(
-                    f"expected no value with parallelism.pp > 1 (not supported with a "
-                    f"pipeline yet), found {value!r}",
-                    path=key,
-                )
+        _check_pipeline_batches(job)
+
+
+def _check_pipeline_batches(job: JobConfig) -> None:
+    """A pipeline splits each rank's batch into equal microbatches: training's and validation's."""
+    local_batch, accumulation = batch_layout(job)
+    microbatches = job.parallelism.pipeline_microbatches or job.parallelism.pp
+    batches = [("parallelism.pipeline_microbatches", "training", local_batch * accumulation)]
+    if job.validation.interval:
+        batches.append(("validation.interval", "validation", local_batch))
+    for key, what, batch in batches:
+        if batch % microbatches:
+            raise ConfigError(
+                f"expected the {what} batch per data-parallel rank ({batch} samples) to divide "
+                f"into parallelism.pipeline_microbatches = {microbatches} equal microbatches "
+                f"(the pipeline runs {what} on it), found a remainder of {batch % microbatches}",
+                path=key,
+            )
 
 
 def check_resume(job: JobConfig) -> int:
@@ -392,7 +408,11 @@ def train(
         accumulation=accumulation,
     )
     state = TrainingState(device=device)
-    app: dict[str, Any] = {"app": ModelState(model, optimizer), "train": state}
+    # a stage keeps the full model's FQNs: each rank saves and loads its own stage's states;
+    # optimizer states keyed by FQN too (as TorchTitan), not by group index that stages share
+    (held,) = parts  # the trainer's pipelines hold one stage per rank
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    app: dict[str, Any] = {"app": ModelState(held, optimizer, options=options), "train": state}
     if resume:
         check_resume(job)
         loaded = load(app, job.checkpoint.dir)
@@ -478,7 +498,16 @@ def train(
                 )
             if job.validation.interval and step % job.validation.interval == 0:
                 val = validate(
-                    model, val_samples, job, loss_mesh, loss_axes, dp_rank, dp, local_batch, device
+                    pipe if pipe is not None else model,
+                    val_samples,
+                    job,
+                    loss_mesh,
+                    loss_axes,
+                    dp_rank,
+                    dp,
+                    local_batch,
+                    device,
+                    pp_mesh=pp_mesh,
                 )
                 summary.val_losses[step] = val
                 if metrics is not None:
@@ -515,7 +544,7 @@ def train(
     if pending is not None:
         pending.wait()
         _keep_last(job, rank)
-    if job.checkpoint.export_hf and pipe is None:
+    if job.checkpoint.export_hf:
         save_hf(model, job.checkpoint.export_hf)
         if metrics is not None:
             metrics.note(f"exported Hugging Face weights to {job.checkpoint.export_hf}")
@@ -525,7 +554,7 @@ def train(
 
 
 def validate(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     samples: PackedSamples,
     job: JobConfig,
     mesh: DeviceMesh,
@@ -534,8 +563,14 @@ def validate(
     dp: int,
     local_batch: int,
     device: torch.device,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> float:
-    """Mean loss over ``validation.steps`` global batches of the held-out samples (same every time)."""
+    """Mean loss over ``validation.steps`` global batches of the held-out samples (same every time).
+
+    ``model`` is the trained module or its :class:`Pipeline` (forward only through the
+    schedule; ``pp_mesh`` carries the last stage's loss to every stage's ranks).
+    """
     sampler = BatchSampler(
         samples,
         seed=0,
@@ -546,26 +581,16 @@ def validate(
         shuffle=False,
     )
     total = torch.zeros(1, device=device)
-    count = 0
-    was_training = model.training
-    model.eval()
-    loss_fn: Any = model.loss
-    takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
-    with torch.no_grad():
-        for _ in range(job.validation.steps):
-            for batch in sampler.next_step():
-                b = batch.to(device)
-                documents = {"document_ids": b.document_ids} if takes_documents else {}
-                loss = loss_fn(b.tokens, b.targets, **documents)
-                value = loss.detach()
-                total += (value.full_tensor() if isinstance(value, DTensor) else value).reshape(1)
-                count += 1
-    model.train(was_training)
+    for _ in range(job.validation.steps):
+        batches = [b.to(device) for b in sampler.next_step()]
+        microbatches = [(b.tokens, b.targets, b.document_ids) for b in batches]
+        total += eval_loss(model, microbatches, pp_mesh=pp_mesh)
     # validation routes no training tokens: load balancing counts only the training batches
-    for layer in _moe_layers([model]):
+    parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
+    for layer in _moe_layers(parts):
         if layer.tokens_per_expert is not None:
             _local(layer.tokens_per_expert).zero_()
-    mean = total / count
+    mean = total / job.validation.steps
     if dp_axes:
         mean = collectives.all_reduce_over(mean, mesh, dp_axes, "avg")
     return float(mean.item())

@@ -13,7 +13,7 @@ from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
 from hyper_parallel.dtensor import DeviceMesh, DTensor, clip_grad_norm_, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule
 
-__all__ = ["StepResult", "average_gradients", "synthetic_batch", "train_step"]
+__all__ = ["StepResult", "average_gradients", "eval_loss", "synthetic_batch", "train_step"]
 
 
 def synthetic_batch(
@@ -154,6 +154,39 @@ def train_step(
     return StepResult(value, norm, stepped=True)
 
 
+def eval_loss(
+    model: torch.nn.Module | Pipeline,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """This rank's mean loss of ``microbatches``, forward only (validation): no gradient, eval mode.
+
+    The same forward as :func:`train_step`'s (``document_ids`` reach a module's ``loss``
+    when it takes them; a :class:`~hyper_parallel.dmodule.pipeline.Pipeline` runs the
+    microbatches as one forward-only schedule step, torch's ``schedule.eval``, and the last
+    stage's loss is broadcast over ``pp_mesh``), without backward and with every module in
+    eval mode for the call. Returns a one-element tensor, not averaged over data-parallel
+    ranks (the caller reduces it as :func:`train_step` reduces the training loss).
+
+    Example::
+
+        val = eval_loss(model, [(tokens, targets)])
+    """
+    parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
+    modes = [(m, m.training) for part in parts for m in part.modules()]
+    for part in parts:
+        part.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(model, Pipeline):
+                return _pipeline_forward_backward(model, microbatches, pp_mesh, backward=False)
+            return _forward_backward(model, microbatches, backward=False).reshape(1)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
 def _clip_across_stages(
     parameters: Sequence[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh
 ) -> float:
@@ -171,7 +204,10 @@ def _clip_across_stages(
 
 
 def _forward_backward(
-    model: torch.nn.Module, microbatches: Sequence[tuple[torch.Tensor, ...]]
+    model: torch.nn.Module,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    backward: bool = True,
 ) -> torch.Tensor:
     loss_fn: Callable[..., torch.Tensor] = model.loss  # type: ignore[assignment]
     takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
@@ -181,7 +217,8 @@ def _forward_backward(
         loss = loss_fn(tokens, targets, **kwargs)
         if len(microbatches) > 1:
             loss = loss / len(microbatches)
-        loss.backward()  # type: ignore[no-untyped-call]
+        if backward:
+            loss.backward()  # type: ignore[no-untyped-call]
         value = loss.detach()
         # a replicated DTensor loss holds the whole value: read it as a plain tensor
         value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -195,12 +232,33 @@ def _pipeline_forward_backward(
     pipe: Pipeline,
     microbatches: Sequence[tuple[torch.Tensor, ...]],
     pp_mesh: DeviceMesh | None,
+    *,
+    backward: bool = True,
 ) -> torch.Tensor:
     tokens = torch.cat([batch[0] for batch in microbatches])
     targets = torch.cat([batch[1] for batch in microbatches])
-    loss = pipe.step(tokens, target=targets)
+    loss = pipe.step(tokens, target=targets) if backward else _pipeline_eval(pipe, tokens, targets)
     mine = loss if loss is not None else torch.zeros((), device=tokens.device)
     if pp_mesh is None:
         return mine.detach()
     last = stage_owner(pipe.num_stages - 1, pp_mesh.size("pp"), pipe.schedule_name)
     return collectives.broadcast(mine.detach().reshape(1), pp_mesh, "pp", last)
+
+
+def _pipeline_eval(
+    pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor | None:
+    """``Pipeline.step`` without backward: torch's ``schedule.eval`` (the mean microbatch loss)."""
+    for name, value in (("tokens", tokens), ("targets", targets)):
+        if value.shape[0] % pipe.n_microbatches:
+            raise ValueError(
+                f"eval_loss: {name}: a batch of {value.shape[0]} does not divide into "
+                f"n_microbatches={pipe.n_microbatches} equal microbatches; expected a batch size "
+                f"that is a multiple of {pipe.n_microbatches}"
+            )
+    args = (tokens,) if pipe.has_first_stage else ()
+    losses: list[torch.Tensor] | None = [] if pipe.has_last_stage else None
+    pipe.schedule.eval(*args, target=targets if pipe.has_last_stage else None, losses=losses)
+    if losses is None:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).mean()
