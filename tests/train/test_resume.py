@@ -37,7 +37,10 @@ def _three_runs(layout: list[str], corpus: str, root: str) -> tuple[RunSummary, 
 
 
 @pytest.mark.parametrize(
-    "layout", [["parallelism.tp=2"], ["parallelism.dp_shard=2"]], ids=["tp2", "dp_shard2"]
+    # dp_shard = -1: the rest of the 2-rank world, resolved by each rank
+    "layout",
+    [["parallelism.tp=2"], ["parallelism.dp_shard=-1"]],
+    ids=["tp2", "dp_shard_rest"],
 )
 def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus")

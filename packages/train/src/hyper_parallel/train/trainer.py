@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import pkgutil
@@ -52,6 +53,7 @@ from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 __all__ = [
     "RunSummary",
     "parallel_dims",
+    "resolve_world",
     "build_model_config",
     "check_layout",
     "check_resume",
@@ -176,6 +178,7 @@ def _check_model_layout(job: JobConfig, config: Any) -> None:
 
 def check_layout(job: JobConfig, world_size: int) -> None:
     """The degrees against the world and what this trainer supports yet (ConfigError naming the key)."""
+    job = resolve_world(job, world_size)
     par = job.parallelism
     if par.world_size != world_size:
         raise ConfigError(
@@ -185,6 +188,7 @@ def check_layout(job: JobConfig, world_size: int) -> None:
             path="parallelism",
         )
     parallel_dims(job, world_size)
+    batch_layout(job)  # with dp_shard = -1 known only now: the global batch divides by dp
     if par.etp != 1:
         raise ConfigError(
             f"expected 1 (hp-train does not run expert tensor parallelism yet: the registered "
@@ -250,6 +254,24 @@ def check_resume(job: JobConfig) -> int:
             path="training.steps",
         )
     return found
+
+
+def resolve_world(job: JobConfig, world_size: int) -> JobConfig:
+    """``job`` with ``parallelism.dp_shard = -1`` replaced by the rest of ``world_size``.
+
+    ``ParallelDims``' rule: ``world_size / (dp_replicate x cp x tp x pp)``; a world that
+    does not divide is a ConfigError naming ``parallelism``. Other jobs come back unchanged.
+
+    Example::
+
+        >>> job = JobConfig().apply_overrides(["parallelism.dp_shard=-1", "parallelism.tp=2"])
+        >>> resolve_world(job, 8).parallelism.dp_shard
+        4
+    """
+    if job.parallelism.dp_shard != -1:
+        return job
+    dp_shard = parallel_dims(job, world_size).dp_shard
+    return job.replace(parallelism=dataclasses.replace(job.parallelism, dp_shard=dp_shard))
 
 
 def parallel_dims(job: JobConfig, world_size: int) -> ParallelDims:
@@ -347,6 +369,7 @@ def train(
     """
     platform = get_platform()
     rank, world = platform.get_rank(), platform.get_world_size()
+    job = resolve_world(job, world)
     check_layout(job, world)
     device_type = job.training.device
     device = platform.device_for(device_type)
