@@ -52,6 +52,7 @@ from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "RunSummary",
+    "autocast_dtype",
     "parallel_dims",
     "resolve_world",
     "build_model_config",
@@ -207,6 +208,7 @@ def check_layout(job: JobConfig, world_size: int) -> None:
                 f"expected 1 with parallelism.pp > 1 (not run with a pipeline yet), found {degree}",
                 path=f"parallelism.{key}",
             )
+    _check_precision(job)
     if par.pp > 1 and job.checkpoint.export_hf:
         raise ConfigError(
             f"expected no value with parallelism.pp > 1 (the Hugging Face export gathers the "
@@ -216,6 +218,45 @@ def check_layout(job: JobConfig, world_size: int) -> None:
         )
     if par.pp > 1:
         _check_pipeline_batches(job)
+
+
+def _check_precision(job: JobConfig) -> None:
+    """Mixed precision runs as autocast where TorchTitan runs it so: no FSDP, tp or pp."""
+    training, par = job.training, job.parallelism
+    if training.reduce_dtype != "float32":
+        raise ConfigError(
+            f"expected float32 (gradients are reduced in the weights' float32: the models' "
+            f"fully_shard takes no MixedPrecisionPolicy yet), found {training.reduce_dtype!r}",
+            path="training.reduce_dtype",
+        )
+    if training.param_dtype == "float32":
+        return
+    layout = {
+        "dp_shard x cp (FSDP)": par.dp_shard * par.cp,
+        "tp": par.tp,
+        "pp": par.pp,
+    }
+    sharded = {name: degree for name, degree in layout.items() if degree > 1}
+    if sharded:
+        found = ", ".join(f"{name} = {degree}" for name, degree in sharded.items())
+        raise ConfigError(
+            f"expected float32 with {found}: mixed precision runs as torch.autocast on one "
+            f"process or plain replicas (dp_replicate) only; FSDP's MixedPrecisionPolicy is not "
+            f"passed to the models' fully_shard yet, found {training.param_dtype!r}",
+            path="training.param_dtype",
+        )
+
+
+def autocast_dtype(job: JobConfig) -> torch.dtype | None:
+    """The dtype the forward runs in under ``torch.autocast`` (``None``: float32, no autocast).
+
+    Example::
+
+        >>> autocast_dtype(JobConfig().apply_overrides(["training.param_dtype=bfloat16"]))
+        torch.bfloat16
+    """
+    dtype = job.training.param_dtype
+    return None if dtype == "float32" else getattr(torch, dtype)
 
 
 def _check_pipeline_batches(job: JobConfig) -> None:
@@ -486,6 +527,7 @@ def train(
                 max_norm=job.training.max_norm,
                 skip_nonfinite=job.training.skip_nonfinite,
                 step=step,
+                autocast_dtype=autocast_dtype(job),
             )
             if result.stepped:
                 for part in parts:
@@ -607,7 +649,7 @@ def validate(
     for _ in range(job.validation.steps):
         batches = [b.to(device) for b in sampler.next_step()]
         microbatches = [(b.tokens, b.targets, b.document_ids) for b in batches]
-        total += eval_loss(model, microbatches, pp_mesh=pp_mesh)
+        total += eval_loss(model, microbatches, pp_mesh=pp_mesh, autocast_dtype=autocast_dtype(job))
     # validation routes no training tokens: load balancing counts only the training batches
     parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
     for layer in _moe_layers(parts):

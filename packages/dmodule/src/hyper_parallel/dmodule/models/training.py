@@ -101,6 +101,7 @@ def train_step(
     max_norm: float | None = None,
     skip_nonfinite: bool = False,
     step: int = 0,
+    autocast_dtype: torch.dtype | None = None,
 ) -> StepResult:
     """One optimizer step of any layout: forward and backward, gradient sync, clipping, update.
 
@@ -115,18 +116,21 @@ def train_step(
     replicas; fully sharded modules average their own). ``max_norm`` clips the total norm
     across every mesh (:func:`~hyper_parallel.dtensor.clip_grad_norm_`). A loss that is not
     finite raises ``FloatingPointError`` naming ``step``, or, with ``skip_nonfinite``, skips
-    the update. The caller steps its LR scheduler.
+    the update. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs each microbatch's forward
+    under ``torch.autocast`` (mixed precision without FSDP, as TorchTitan; the backward runs
+    outside it). The caller steps its LR scheduler.
 
     Example::
 
         result = train_step(model, [(tokens, targets)], optimizer, max_norm=1.0, step=1)
     """
+    _check_autocast(model, autocast_dtype, "train_step")
     if isinstance(model, Pipeline):
         parts = list(model.model_parts)
         local = _pipeline_forward_backward(model, microbatches, pp_mesh)
     else:
         parts = [model]
-        local = _forward_backward(model, microbatches)
+        local = _forward_backward(model, microbatches, autocast_dtype=autocast_dtype)
     if average_over is not None:
         for part in parts:
             average_gradients(part, *average_over)
@@ -159,6 +163,7 @@ def eval_loss(
     microbatches: Sequence[tuple[torch.Tensor, ...]],
     *,
     pp_mesh: DeviceMesh | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """This rank's mean loss of ``microbatches``, forward only (validation): no gradient, eval mode.
 
@@ -166,13 +171,14 @@ def eval_loss(
     when it takes them; a :class:`~hyper_parallel.dmodule.pipeline.Pipeline` runs the
     microbatches as one forward-only schedule step, torch's ``schedule.eval``, and the last
     stage's loss is broadcast over ``pp_mesh``), without backward and with every module in
-    eval mode for the call. Returns a one-element tensor, not averaged over data-parallel
+    eval mode for the call (``autocast_dtype`` as in :func:`train_step`). Returns a one-element tensor, not averaged over data-parallel
     ranks (the caller reduces it as :func:`train_step` reduces the training loss).
 
     Example::
 
         val = eval_loss(model, [(tokens, targets)])
     """
+    _check_autocast(model, autocast_dtype, "eval_loss")
     parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
     modes = [(m, m.training) for part in parts for m in part.modules()]
     for part in parts:
@@ -181,10 +187,22 @@ def eval_loss(
         with torch.no_grad():
             if isinstance(model, Pipeline):
                 return _pipeline_forward_backward(model, microbatches, pp_mesh, backward=False)
-            return _forward_backward(model, microbatches, backward=False).reshape(1)
+            return _forward_backward(
+                model, microbatches, backward=False, autocast_dtype=autocast_dtype
+            ).reshape(1)
     finally:
         for module, mode in modes:
             module.training = mode
+
+
+def _check_autocast(
+    model: torch.nn.Module | Pipeline, autocast_dtype: torch.dtype | None, where: str
+) -> None:
+    if autocast_dtype is not None and isinstance(model, Pipeline):
+        raise ValueError(
+            f"{where}: autocast_dtype: expected None with a Pipeline (its stages' forwards run "
+            f"inside torch's schedule), found {autocast_dtype}"
+        )
 
 
 def _clip_across_stages(
@@ -208,13 +226,18 @@ def _forward_backward(
     microbatches: Sequence[tuple[torch.Tensor, ...]],
     *,
     backward: bool = True,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     loss_fn: Callable[..., torch.Tensor] = model.loss  # type: ignore[assignment]
     takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
     total: torch.Tensor | None = None
     for tokens, targets, *rest in microbatches:
         kwargs = {"document_ids": rest[0]} if rest and takes_documents else {}
-        loss = loss_fn(tokens, targets, **kwargs)
+        if autocast_dtype is None:
+            loss = loss_fn(tokens, targets, **kwargs)
+        else:
+            with torch.autocast(tokens.device.type, dtype=autocast_dtype):
+                loss = loss_fn(tokens, targets, **kwargs)
         if len(microbatches) > 1:
             loss = loss / len(microbatches)
         if backward:
