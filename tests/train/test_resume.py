@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests._harness import run_on_ranks
+from tests._tolerance import assert_close_to_scale
 from tests.train._jobs import tiny_job, write_aligned_corpus, write_corpus
 
 from hyper_parallel.config import ConfigError
@@ -121,15 +122,19 @@ def _pipeline_stopped_at_3_and_resumed(corpus: str, root: str) -> tuple[RunSumma
     logged = ["validation.interval=3", "checkpoint.interval=3", f"checkpoint.dir={root}/ckpt"]
     first = train(tiny_job(Path(corpus), *PIPELINE, *logged, "training.steps=3"), log=False)
     torch.manual_seed(99)  # the checkpoint restores the generators
+    export = f"checkpoint.export_hf={root}/hf-pp"
     resumed = train(
-        tiny_job(Path(corpus), *PIPELINE, *logged, "training.steps=6"), resume=True, log=False
+        tiny_job(Path(corpus), *PIPELINE, *logged, export, "training.steps=6"),
+        resume=True,
+        log=False,
     )
     return None if first is None or resumed is None else (first, resumed)
 
 
-def _one_process_six_steps(corpus: str) -> RunSummary | None:
+def _one_process_six_steps(corpus: str, root: str) -> RunSummary | None:
     job = tiny_job(Path(corpus), "model.config.n_layers=2", "validation.interval=3")
-    return train(job.apply_overrides(["training.steps=6"]), log=False)
+    export = f"checkpoint.export_hf={root}/hf-one"
+    return train(job.apply_overrides(["training.steps=6", export]), log=False)
 
 
 def test_a_pipeline_resumed_at_step_3_trains_and_validates_as_one_process(tmp_path: Path) -> None:
@@ -137,7 +142,7 @@ def test_a_pipeline_resumed_at_step_3_trains_and_validates_as_one_process(tmp_pa
     # document_ids between its stages), so one process on the same batches is the oracle
     corpus = write_aligned_corpus(tmp_path / "corpus")
     staged = run_on_ranks(_pipeline_stopped_at_3_and_resumed, 2, str(corpus), str(tmp_path))[0]
-    (one,) = run_on_ranks(_one_process_six_steps, 1, str(corpus))
+    (one,) = run_on_ranks(_one_process_six_steps, 1, str(corpus), str(tmp_path))
     assert staged is not None and one is not None
     first, resumed = staged
     assert (first.first_step, resumed.first_step) == (1, 4)
@@ -158,6 +163,14 @@ def test_a_pipeline_resumed_at_step_3_trains_and_validates_as_one_process(tmp_pa
         whole = build_model_config(tiny_job(corpus, *PIPELINE), 257).build()
     assert model_keys == set(whole.state_dict())
     assert any(k.startswith("app.optim.state.layers.1.") for k in saved.state_dict_metadata)
+    # the Hugging Face export gathers both stages: one process's exported weights
+    from safetensors.torch import load_file
+
+    staged_hf = load_file(tmp_path / "hf-pp" / "model.safetensors")
+    one_hf = load_file(tmp_path / "hf-one" / "model.safetensors")
+    assert sorted(staged_hf) == sorted(one_hf)
+    for key, want in one_hf.items():
+        assert_close_to_scale(staged_hf[key], want, rel=1e-4, what=key)
 
 
 def test_pipeline_batches_that_do_not_divide_into_microbatches_are_refused(tmp_path: Path) -> None:

@@ -209,13 +209,6 @@ def check_layout(job: JobConfig, world_size: int) -> None:
                 path=f"parallelism.{key}",
             )
     _check_precision(job)
-    if par.pp > 1 and job.checkpoint.export_hf:
-        raise ConfigError(
-            f"expected no value with parallelism.pp > 1 (the Hugging Face export gathers the "
-            f"whole model on rank 0; not run with a pipeline yet), found "
-            f"{job.checkpoint.export_hf!r}",
-            path="checkpoint.export_hf",
-        )
     if par.pp > 1:
         _check_pipeline_batches(job)
 
@@ -610,12 +603,57 @@ def train(
         pending.wait()
         _keep_last(job, rank)
     if job.checkpoint.export_hf:
-        save_hf(model, job.checkpoint.export_hf)
+        if pp_mesh is None:
+            save_hf(model, job.checkpoint.export_hf)
+        else:
+            whole = _gather_stages(model, parts, pp_mesh, rank, device)
+            save_hf(whole, job.checkpoint.export_hf)
         if metrics is not None:
             metrics.note(f"exported Hugging Face weights to {job.checkpoint.export_hf}")
     if metrics is not None:
         metrics.finish(summary)
     return summary if rank == 0 else None
+
+
+def _gather_stages(
+    whole: torch.nn.Module,
+    parts: list[torch.nn.Module],
+    pp_mesh: DeviceMesh,
+    rank: int,
+    device: torch.device,
+) -> torch.nn.Module:
+    """``whole`` (the model built on the meta device) holding every stage's states on rank 0.
+
+    Collective over every rank. State by state in ``whole``'s order, the stage that holds
+    it gathers it whole (``full_tensor`` over its own mesh) and its ``pp`` rank broadcasts
+    it over ``pp``; rank 0 alone allocates ``whole`` (on the CPU) and keeps the values.
+    The other ranks return ``whole`` still on the meta device: :func:`save_hf` reads
+    values on rank 0 only.
+    """
+    held: dict[str, torch.Tensor] = {}
+    for part in parts:
+        held.update(part.state_dict())
+    names = list(whole.state_dict())
+    me = pp_mesh.get_local_rank("pp")
+    owners = torch.tensor([me if n in held else -1 for n in names], device=device)
+    owners = collectives.all_reduce(owners, pp_mesh, "pp", "max")
+    if rank == 0:
+        whole.to_empty(device="cpu")
+    values = whole.state_dict()
+    for name, owner in zip(names, owners.tolist(), strict=True):
+        mine = held.get(name)
+        if isinstance(mine, DTensor):
+            mine = mine.full_tensor()  # every rank of the owning stage, in the same order
+        shape, dtype = values[name].shape, values[name].dtype
+        sent = (
+            mine.detach().contiguous()
+            if mine is not None
+            else torch.empty(shape, dtype=dtype, device=device)
+        )
+        got = collectives.broadcast(sent, pp_mesh, "pp", int(owner))
+        if rank == 0:
+            values[name].copy_(got)
+    return whole
 
 
 def validate(
