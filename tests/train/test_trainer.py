@@ -251,3 +251,24 @@ def test_mixed_precision_layouts_not_run_are_refused_by_key(
     assert error.value.path == key
     with pytest.raises(ConfigError, match="float16 needs loss scaling"):
         load_job(None, ["training.param_dtype=float16"])
+
+
+def test_document_ids_reach_the_model_only_for_rows_that_pack_several_documents() -> None:
+    from hyper_parallel.train.data import pack
+    from hyper_parallel.train.trainer import _model_inputs
+
+    # 8 + 6 + 4 tokens (EOS each): samples aaaa, aaaE, bbbb, bEcc
+    samples = pack(["a" * 7, "b" * 5, "c" * 3], ByteTokenizer(), seq_len=4)
+    one_each = _model_inputs(samples.batch([0, 1]), torch.device("cpu"))
+    packed = _model_inputs(samples.batch([1, 3]), torch.device("cpu"))
+    assert len(one_each) == 2 and len(packed) == 3
+    # the premise: one document per row is plain causal attention (the oracle: no ids at all)
+    config = build_model_config(tiny_job(Path("unused")), 257)
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_weights()
+    tokens, targets = one_each
+    with torch.no_grad():
+        plain = model.loss(tokens, targets)
+        masked = model.loss(tokens, targets, document_ids=torch.zeros_like(tokens))
+    assert float(masked) == pytest.approx(float(plain), rel=1e-6)

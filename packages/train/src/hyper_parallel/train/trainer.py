@@ -45,7 +45,7 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import DEFAULT_ALLOWED_IMPORTS, JobConfig, batch_layout
-from hyper_parallel.train.data import BatchSampler, PackedSamples, pack, read_documents
+from hyper_parallel.train.data import Batch, BatchSampler, PackedSamples, pack, read_documents
 from hyper_parallel.train.lr import lr_at
 from hyper_parallel.train.metrics import MetricsLogger, StepMetrics
 from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
@@ -504,14 +504,14 @@ def train(
     with stop.installed(), profile as profiler:
         for step in range(state.step + 1, job.training.steps + 1):
             start = time.perf_counter()
-            batches = [b.to(device) for b in sampler.next_step()]
+            microbatches = [_model_inputs(b, device) for b in sampler.next_step()]
             data_seconds = time.perf_counter() - start
             lr = lr_at(step, job.optimizer.lr, job.lr_scheduler)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             result: StepResult = train_step(
                 stepped_model,
-                [(b.tokens, b.targets, b.document_ids) for b in batches],
+                microbatches,
                 optimizer,
                 loss_mesh=loss_mesh,
                 loss_axes=loss_axes,
@@ -685,8 +685,7 @@ def validate(
     )
     total = torch.zeros(1, device=device)
     for _ in range(job.validation.steps):
-        batches = [b.to(device) for b in sampler.next_step()]
-        microbatches = [(b.tokens, b.targets, b.document_ids) for b in batches]
+        microbatches = [_model_inputs(b, device) for b in sampler.next_step()]
         total += eval_loss(model, microbatches, pp_mesh=pp_mesh, autocast_dtype=autocast_dtype(job))
     # validation routes no training tokens: load balancing counts only the training batches
     parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
@@ -697,6 +696,20 @@ def validate(
     if dp_axes:
         mean = collectives.all_reduce_over(mean, mesh, dp_axes, "avg")
     return float(mean.item())
+
+
+def _model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(tokens, targets[, document_ids])`` of a microbatch, on ``device``.
+
+    ``document_ids`` only when a row packs more than one document: a row of one document
+    is plain causal attention with positions from 0, the same numbers without the
+    document mask's work (checked on the host, before the copy to ``device``).
+    """
+    packed = bool(batch.document_ids.any())
+    on_device = batch.to(device)
+    if packed:
+        return on_device.tokens, on_device.targets, on_device.document_ids
+    return on_device.tokens, on_device.targets
 
 
 def _moe_layers(parts: list[torch.nn.Module]) -> list[MoE]:
