@@ -673,6 +673,11 @@ def validate(
 
     ``model`` is the trained module or its :class:`Pipeline` (forward only through the
     schedule; ``pp_mesh`` carries the last stage's loss to every stage's ranks).
+
+    Example::
+
+        val = validate(pipe, held_out, job, loss_mesh, ("loss",), dp_rank, dp, 4, device,
+                       pp_mesh=dims.get_mesh("pp"))
     """
     sampler = BatchSampler(
         samples,
