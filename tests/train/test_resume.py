@@ -118,7 +118,10 @@ PIPELINE = ["parallelism.pp=2", "model.config.n_layers=2"]
 
 
 def _pipeline_stopped_at_3_and_resumed(corpus: str, root: str) -> tuple[RunSummary, ...] | None:
-    """pp=2: 3 steps that checkpoint, resumed to step 6; validation through the pipeline at 3, 6."""
+    """pp=2: 6 steps straight; 3 steps that checkpoint, resumed to step 6; validation at 3, 6."""
+    straight = train(
+        tiny_job(Path(corpus), *PIPELINE, "validation.interval=3", "training.steps=6"), log=False
+    )
     logged = ["validation.interval=3", "checkpoint.interval=3", f"checkpoint.dir={root}/ckpt"]
     first = train(tiny_job(Path(corpus), *PIPELINE, *logged, "training.steps=3"), log=False)
     torch.manual_seed(99)  # the checkpoint restores the generators
@@ -128,7 +131,9 @@ def _pipeline_stopped_at_3_and_resumed(corpus: str, root: str) -> tuple[RunSumma
         resume=True,
         log=False,
     )
-    return None if first is None or resumed is None else (first, resumed)
+    if straight is None or first is None or resumed is None:
+        return None
+    return straight, first, resumed
 
 
 def _one_process_six_steps(corpus: str, root: str) -> RunSummary | None:
@@ -144,8 +149,11 @@ def test_a_pipeline_resumed_at_step_3_trains_and_validates_as_one_process(tmp_pa
     staged = run_on_ranks(_pipeline_stopped_at_3_and_resumed, 2, str(corpus), str(tmp_path))[0]
     (one,) = run_on_ranks(_one_process_six_steps, 1, str(corpus), str(tmp_path))
     assert staged is not None and one is not None
-    first, resumed = staged
+    straight, first, resumed = staged
     assert (first.first_step, resumed.first_step) == (1, 4)
+    # exact resume: the same numbers as the uninterrupted pipeline run
+    assert first.losses + resumed.losses == straight.losses
+    assert {**first.val_losses, **resumed.val_losses} == straight.val_losses
     torch.testing.assert_close(
         torch.tensor(first.losses + resumed.losses), torch.tensor(one.losses), rtol=1e-5, atol=0
     )
