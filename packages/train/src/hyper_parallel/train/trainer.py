@@ -641,6 +641,10 @@ def _gather_stages(
         whole.to_empty(device="cpu")
     values = whole.state_dict()
     for name, owner in zip(names, owners.tolist(), strict=True):
+        if owner < 0:
+            raise ValueError(
+                f"checkpoint.export_hf: expected a pipeline stage holding {name!r}, found none"
+            )
         mine = held.get(name)
         if isinstance(mine, DTensor):
             mine = mine.full_tensor()  # every rank of the owning stage, in the same order

@@ -171,8 +171,9 @@ def eval_loss(
     when it takes them; a :class:`~hyper_parallel.dmodule.pipeline.Pipeline` runs the
     microbatches as one forward-only schedule step, torch's ``schedule.eval``, and the last
     stage's loss is broadcast over ``pp_mesh``), without backward and with every module in
-    eval mode for the call (``autocast_dtype`` as in :func:`train_step`). Returns a one-element tensor, not averaged over data-parallel
-    ranks (the caller reduces it as :func:`train_step` reduces the training loss).
+    eval mode for the call (``autocast_dtype`` as in :func:`train_step`). Returns a
+    one-element tensor, not averaged over data-parallel ranks (the caller reduces it as
+    :func:`train_step` reduces the training loss).
 
     Example::
 
