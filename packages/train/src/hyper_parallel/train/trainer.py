@@ -492,6 +492,7 @@ def train(
     pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
     # MoE: token counts are summed over the ranks that route different tokens (the loss view)
     balance_mesh = loss_mesh if loss_mesh.size() > 1 else None
+    routed = bool(_moe_layers(parts))  # found once: no walk over the modules every step
     stepped_model: torch.nn.Module | Pipeline = pipe if pipe is not None else model
     if pipe is None and any(m.config.aux_loss_coeff > 0 for m in _moe_layers(parts)):
         stepped_model = _WithAuxLoss(model)
@@ -522,7 +523,7 @@ def train(
                 step=step,
                 autocast_dtype=autocast_dtype(job),
             )
-            if result.stepped:
+            if result.stepped and routed:
                 for part in parts:
                     update_load_balance(part, balance_mesh)
             seconds = time.perf_counter() - start
