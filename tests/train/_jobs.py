@@ -18,28 +18,44 @@ TINY_MODEL = [
 ]
 
 
+_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "red",
+    "owls",
+    "sing",
+]
+
+
 def write_corpus(directory: Path, documents: int = 12) -> Path:
     """``documents`` text files of varied English-like sentences (a few KB), deterministic."""
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "red",
-        "owls",
-        "sing",
-    ]
     directory.mkdir(parents=True, exist_ok=True)
     for d in range(documents):
-        sentence = " ".join(words[(d * 5 + i * 3) % len(words)] for i in range(60))
+        sentence = " ".join(_WORDS[(d * 5 + i * 3) % len(_WORDS)] for i in range(60))
         (directory / f"doc{d:02d}.txt").write_text(f"Document {d}. {sentence}.\n")
+    return directory
+
+
+def write_aligned_corpus(directory: Path, seq_len: int = 16, documents: int = 24) -> Path:
+    """Documents whose bytes + EOS fill whole samples of ``seq_len``: no sample packs two documents.
+
+    Each document's length is a multiple of ``seq_len`` tokens, so every sample's
+    ``document_ids`` are all 0 (a pipeline does not carry them between stages).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    for d in range(documents):
+        text = " ".join(f"{word}{d % (i + 2)}" for i, word in enumerate(_WORDS * 4))
+        length = seq_len * (3 + d % 4) - 1  # + EOS: a multiple of seq_len
+        (directory / f"doc{d:02d}.txt").write_text((text * 2)[:length])
     return directory
 
 

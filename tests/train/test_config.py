@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.train import JobConfig, batch_layout, load_job, to_toml
-from hyper_parallel.train.cli import main
+from hyper_parallel.train.cli import main, preflight
+from hyper_parallel.train.trainer import check_layout, resolve_world
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -129,6 +131,34 @@ def test_global_batch_must_divide_by_dp_times_local_batch() -> None:
         ["parallelism.dp_shard=2", "training.global_batch_size=8", "training.local_batch_size=2"],
     )
     assert batch_layout(job) == (2, 2)  # 8 = dp 2 x local 2 x accumulation 2
+
+
+def test_dp_shard_minus_one_takes_the_rest_of_the_world(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rest = ["parallelism.dp_shard=-1", "parallelism.tp=2", "training.global_batch_size=8"]
+    job = load_job(None, [*rest, f"data.path={tmp_path}"])
+    # --print-config keeps -1: the file reads back to the same job
+    assert main(["--print-config", *(f"--{o}" for o in rest), f"--data.path={tmp_path}"]) == 0
+    assert JobConfig.from_dict(tomllib.loads(capsys.readouterr().out)) == job
+    # the oracle: ParallelDims' own resolution on the same world
+    resolved = resolve_world(job, 8)
+    assert resolved.parallelism.dp_shard == ParallelDims(dp_shard=-1, tp=2, world_size=8).dp_shard
+    assert batch_layout(resolved) == (2, 1)  # 8 = dp 4 x local 2
+    with pytest.raises(ConfigError, match="rest of the world") as error:
+        resolve_world(job, 5)
+    assert error.value.path == "parallelism"
+    # checks that need the world wait for it: a batch that does not divide by dp = 8 / 2
+    with pytest.raises(ConfigError, match=r"divide by dp .* = 8\)") as error:
+        check_layout(job.apply_overrides(["training.global_batch_size=12"]), 16)
+    assert error.value.path == "training.global_batch_size"
+    (tmp_path / "doc.txt").write_text("text " * 200)
+    with pytest.raises(ConfigError, match=r"expected a world size \(--world-size N") as error:
+        preflight(job, resume=False)
+    assert error.value.path == "parallelism.dp_shard"
+    assert preflight(job, resume=False, world_size=4) == 4
+    with pytest.raises(ConfigError, match=r"expected an int >= 1 or -1 .*, found -2"):
+        load_job(None, ["parallelism.dp_shard=-2"])
 
 
 @pytest.mark.parametrize("ref", ["os:system", "builtins:eval"])

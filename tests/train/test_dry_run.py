@@ -33,7 +33,11 @@ def test_dry_run_gives_each_ranks_fully_sharded_bytes_and_refuses_over_the_limit
     with pytest.raises(ValueError, match=r"rank \d needs .* over --dry-run-memory 1e-05 GiB"):
         check_memory(ranks, 1e-5)
     # the command: the table on stdout, status 2 over the limit, no process started
-    assert main(["--parallelism.dp_shard=2", f"--data.path={tmp_path}", "--dry-run"]) == 0
-    assert "collectives per step (rank 0)" in capsys.readouterr().out
+    # dp_shard = -1 with --world-size: the rest of the world, planned as the explicit 2
+    argv = ["--parallelism.dp_shard=-1", "--world-size=2", f"--data.path={tmp_path}", "--dry-run"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "on 2 ranks (dp_replicate=1 dp_shard=2 tp=1 pp=1)" in table
+    assert "collectives per step (rank 0)" in table
     assert main([f"--data.path={tmp_path}", "--dry-run", "--dry-run-memory", "0.00001"]) == 2
     assert "largest tensors: " in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Exact resume: interrupted at step 5 and resumed gives the uninterrupted run's losses to step 10."""
+"""Exact resume: interrupted and resumed gives the uninterrupted run's losses (pipelines too)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from tests._harness import run_on_ranks
-from tests.train._jobs import tiny_job, write_corpus
+from tests._tolerance import assert_close_to_scale
+from tests.train._jobs import tiny_job, write_aligned_corpus, write_corpus
 
-from hyper_parallel.train.trainer import RunSummary, train
+from hyper_parallel.config import ConfigError
+from hyper_parallel.train.trainer import RunSummary, build_model_config, check_layout, train
 
 
 def _three_runs(layout: list[str], corpus: str, root: str) -> tuple[RunSummary, ...] | None:
@@ -36,7 +38,10 @@ def _three_runs(layout: list[str], corpus: str, root: str) -> tuple[RunSummary, 
 
 
 @pytest.mark.parametrize(
-    "layout", [["parallelism.tp=2"], ["parallelism.dp_shard=2"]], ids=["tp2", "dp_shard2"]
+    # dp_shard = -1: the rest of the 2-rank world, resolved by each rank
+    "layout",
+    [["parallelism.tp=2"], ["parallelism.dp_shard=-1"]],
+    ids=["tp2", "dp_shard_rest"],
 )
 def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus")
@@ -106,3 +111,83 @@ def test_a_pipeline_trains_as_tensor_parallel_does(tmp_path: Path) -> None:
         torch.tensor(pipelined.losses), torch.tensor(tensor.losses), rtol=1e-4, atol=0
     )
     assert pipelined.grad_norms == pytest.approx(tensor.grad_norms, rel=1e-4)
+
+
+#: A 2-stage pipeline of the tiny model (one block per stage) on 2 ranks.
+PIPELINE = ["parallelism.pp=2", "model.config.n_layers=2"]
+
+
+def _pipeline_stopped_at_3_and_resumed(corpus: str, root: str) -> tuple[RunSummary, ...] | None:
+    """pp=2: 6 steps straight; 3 steps that checkpoint, resumed to step 6; validation at 3, 6."""
+    straight = train(
+        tiny_job(Path(corpus), *PIPELINE, "validation.interval=3", "training.steps=6"), log=False
+    )
+    logged = ["validation.interval=3", "checkpoint.interval=3", f"checkpoint.dir={root}/ckpt"]
+    first = train(tiny_job(Path(corpus), *PIPELINE, *logged, "training.steps=3"), log=False)
+    torch.manual_seed(99)  # the checkpoint restores the generators
+    export = f"checkpoint.export_hf={root}/hf-pp"
+    resumed = train(
+        tiny_job(Path(corpus), *PIPELINE, *logged, export, "training.steps=6"),
+        resume=True,
+        log=False,
+    )
+    if straight is None or first is None or resumed is None:
+        return None
+    return straight, first, resumed
+
+
+def _one_process_six_steps(corpus: str, root: str) -> RunSummary | None:
+    job = tiny_job(Path(corpus), "model.config.n_layers=2", "validation.interval=3")
+    export = f"checkpoint.export_hf={root}/hf-one"
+    return train(job.apply_overrides(["training.steps=6", export]), log=False)
+
+
+def test_a_pipeline_resumed_at_step_3_trains_and_validates_as_one_process(tmp_path: Path) -> None:
+    # documents fill whole samples: no sample packs two (a pipeline does not carry
+    # document_ids between its stages), so one process on the same batches is the oracle
+    corpus = write_aligned_corpus(tmp_path / "corpus")
+    staged = run_on_ranks(_pipeline_stopped_at_3_and_resumed, 2, str(corpus), str(tmp_path))[0]
+    (one,) = run_on_ranks(_one_process_six_steps, 1, str(corpus), str(tmp_path))
+    assert staged is not None and one is not None
+    straight, first, resumed = staged
+    assert (first.first_step, resumed.first_step) == (1, 4)
+    # exact resume: the same numbers as the uninterrupted pipeline run
+    assert first.losses + resumed.losses == straight.losses
+    assert {**first.val_losses, **resumed.val_losses} == straight.val_losses
+    torch.testing.assert_close(
+        torch.tensor(first.losses + resumed.losses), torch.tensor(one.losses), rtol=1e-5, atol=0
+    )
+    assert first.lrs + resumed.lrs == one.lrs
+    # validation runs forward only through the schedule: one process's loss on the same samples
+    assert sorted({**first.val_losses, **resumed.val_losses}) == [3, 6]
+    got = torch.tensor([first.val_losses[3], resumed.val_losses[6]])
+    torch.testing.assert_close(got, torch.tensor([one.val_losses[3], one.val_losses[6]]))
+    # each rank saved its own stage: together, every state of the whole model
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "step-3")).read_metadata()
+    model_keys = {k.removeprefix("app.model.") for k in saved.state_dict_metadata if "model." in k}
+    with torch.device("meta"):
+        whole = build_model_config(tiny_job(corpus, *PIPELINE), 257).build()
+    assert model_keys == set(whole.state_dict())
+    assert any(k.startswith("app.optim.state.layers.1.") for k in saved.state_dict_metadata)
+    # the Hugging Face export gathers both stages: one process's exported weights
+    from safetensors.torch import load_file
+
+    staged_hf = load_file(tmp_path / "hf-pp" / "model.safetensors")
+    one_hf = load_file(tmp_path / "hf-one" / "model.safetensors")
+    assert sorted(staged_hf) == sorted(one_hf)
+    for key, want in one_hf.items():
+        assert_close_to_scale(staged_hf[key], want, rel=1e-4, what=key)
+
+
+def test_pipeline_batches_that_do_not_divide_into_microbatches_are_refused(tmp_path: Path) -> None:
+    three = [*PIPELINE, "parallelism.pipeline_microbatches=3"]
+    with pytest.raises(ConfigError, match=r"training batch .* \(4 samples\) to divide into .* = 3"):
+        check_layout(tiny_job(tmp_path, *three), 2)
+    accumulate = ["training.gradient_accumulation_steps=2", "validation.interval=1"]
+    with pytest.raises(ConfigError, match=r"validation batch .* \(2 samples\)") as error:
+        check_layout(
+            tiny_job(tmp_path, *PIPELINE, *accumulate, "parallelism.pipeline_microbatches=4"), 2
+        )
+    assert error.value.path == "validation.interval"

@@ -19,10 +19,16 @@ from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.checkpoint import CheckpointMismatchError
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.train.cli import preflight
-from hyper_parallel.train.config import JobConfig, batch_layout
+from hyper_parallel.train.config import JobConfig, batch_layout, load_job
 from hyper_parallel.train.data import BatchSampler
 from hyper_parallel.train.tokenizer import ByteTokenizer
-from hyper_parallel.train.trainer import load_samples, train
+from hyper_parallel.train.trainer import (
+    RunSummary,
+    build_model_config,
+    check_layout,
+    load_samples,
+    train,
+)
 
 
 def _terminate_after(jsonl: Path, records: int) -> None:
@@ -192,3 +198,77 @@ def test_keep_removes_all_but_the_newest_committed_checkpoints(tmp_path: Path) -
     (tmp_path / ".step-20.partial").mkdir()  # a save in flight is not touched
     _keep_last(JobConfig().apply_overrides([f"checkpoint.dir={tmp_path}", "checkpoint.keep=2"]), 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step-20.partial", "step-10", "step-15"]
+
+
+def _train_bfloat16(corpus: str) -> RunSummary | None:
+    return train(tiny_job(Path(corpus), "training.param_dtype=bfloat16", "training.steps=2"))
+
+
+def test_bfloat16_runs_the_forward_under_autocast_on_one_process(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    (summary,) = run_on_ranks(_train_bfloat16, 1, str(corpus), timeout_s=240)
+    assert summary is not None
+    # the oracle: the job's initial model on its first batch, the forward under torch's autocast
+    job = tiny_job(corpus, "training.param_dtype=bfloat16")
+    with torch.device("meta"):
+        model = build_model_config(job, 257).build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(job.training.seed)
+    model.init_weights(buffer_device=torch.device("cpu"))
+    train_samples, _ = load_samples(job, ByteTokenizer())
+    local, accumulation = batch_layout(job)
+    (batch,) = BatchSampler(
+        train_samples, seed=0, dp_rank=0, dp=1, local_batch=local, accumulation=accumulation
+    ).next_step()
+    with torch.no_grad():
+        full = model.loss(batch.tokens, batch.targets, document_ids=batch.document_ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model.loss(batch.tokens, batch.targets, document_ids=batch.document_ids)
+    assert summary.losses[0] == pytest.approx(float(mixed), rel=1e-6)
+    # and not float32's: the tolerance above tells the two apart
+    assert summary.losses[0] != pytest.approx(float(full), rel=1e-6)
+    assert summary.losses[1] < summary.losses[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "message"),
+    [
+        (["parallelism.dp_shard=2"], "training.param_dtype", r"float32 with dp_shard x cp"),
+        (["parallelism.tp=2"], "training.param_dtype", r"float32 with tp = 2"),
+        (
+            ["training.param_dtype=float32", "training.reduce_dtype=bfloat16"],
+            "training.reduce_dtype",
+            "gradients are reduced in",
+        ),
+    ],
+)
+def test_mixed_precision_layouts_not_run_are_refused_by_key(
+    overrides: list[str], key: str, message: str, tmp_path: Path
+) -> None:
+    job = tiny_job(tmp_path, "training.param_dtype=bfloat16", *overrides)
+    with pytest.raises(ConfigError, match=message) as error:
+        check_layout(job, 2 if job.parallelism.world_size == 2 else 1)
+    assert error.value.path == key
+    with pytest.raises(ConfigError, match="float16 needs loss scaling"):
+        load_job(None, ["training.param_dtype=float16"])
+
+
+def test_document_ids_reach_the_model_only_for_rows_that_pack_several_documents() -> None:
+    from hyper_parallel.train.data import pack
+    from hyper_parallel.train.trainer import _model_inputs
+
+    # 8 + 6 + 4 tokens (EOS each): samples aaaa, aaaE, bbbb, bEcc
+    samples = pack(["a" * 7, "b" * 5, "c" * 3], ByteTokenizer(), seq_len=4)
+    one_each = _model_inputs(samples.batch([0, 1]), torch.device("cpu"))
+    packed = _model_inputs(samples.batch([1, 3]), torch.device("cpu"))
+    assert len(one_each) == 2 and len(packed) == 3
+    # the premise: one document per row is plain causal attention (the oracle: no ids at all)
+    config = build_model_config(tiny_job(Path("unused")), 257)
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_weights()
+    tokens, targets = one_each
+    with torch.no_grad():
+        plain = model.loss(tokens, targets)
+        masked = model.loss(tokens, targets, document_ids=torch.zeros_like(tokens))
+    assert float(masked) == pytest.approx(float(plain), rel=1e-6)

@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
         help="with --dry-run: refuse a layout needing more than GIB per rank",
     )
     parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the ranks to start (or plan, with --dry-run) when parallelism.dp_shard = -1 "
+        "(the rest of the world); under torchrun its WORLD_SIZE",
+    )
+    parser.add_argument(
         "--allow-import",
         action="append",
         default=[],
@@ -85,9 +93,17 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, JobConfig]:
     return args, job
 
 
-def preflight(job: JobConfig, *, resume: bool, allow_imports: Sequence[str] = ()) -> int:
+def preflight(
+    job: JobConfig,
+    *,
+    resume: bool,
+    allow_imports: Sequence[str] = (),
+    world_size: int | None = None,
+) -> int:
     """Everything checkable before a process starts; the world size to launch.
 
+    The world is torchrun's ``WORLD_SIZE``, else ``world_size`` (``--world-size``), else
+    the product of the degrees (``parallelism.dp_shard = -1`` needs one of the first two).
     Raises ConfigError (or FileNotFoundError for data) naming the key.
     """
     from hyper_parallel.train.data import builtin_corpus, find_files
@@ -105,7 +121,13 @@ def preflight(job: JobConfig, *, resume: bool, allow_imports: Sequence[str] = ()
         builtin_corpus()
     if job.validation.path and not os.path.isdir(job.validation.path):
         find_files(job.validation.path, key="validation.path")
-    world = int(os.environ.get("WORLD_SIZE", job.parallelism.world_size))
+    world = int(os.environ.get("WORLD_SIZE", 0)) or world_size or job.parallelism.world_size
+    if world < 1:
+        raise ConfigError(
+            "-1 takes the rest of the world: expected a world size (--world-size N, or torchrun's "
+            "WORLD_SIZE), found none",
+            path="parallelism.dp_shard",
+        )
     check_layout(job, world)
     if resume:
         check_resume(job)
@@ -127,8 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(job))
         return 0
+    from hyper_parallel.train.trainer import resolve_world
+
     try:
-        world = preflight(job, resume=args.resume, allow_imports=args.allow_import)
+        world = preflight(
+            job, resume=args.resume, allow_imports=args.allow_import, world_size=args.world_size
+        )
+        job = resolve_world(job, world)
         if args.dry_run:
             from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
 

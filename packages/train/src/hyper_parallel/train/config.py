@@ -54,6 +54,7 @@ class ParallelismConfig:
     """``[parallelism]``: the ``ParallelDims`` degrees, pipeline, activation checkpointing, compile."""
 
     dp_replicate: int = 1
+    #: -1: the rest of the world (world size / the other degrees), as ``ParallelDims``
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
@@ -68,7 +69,10 @@ class ParallelismConfig:
 
     @property
     def world_size(self) -> int:
-        """The product of the degrees (``ep``/``etp`` refactor the others' ranks)."""
+        """The product of the degrees (``ep``/``etp`` refactor the others' ranks); -1 while
+        ``dp_shard`` is -1 (the world decides it)."""
+        if self.dp_shard == -1:
+            return -1
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
@@ -134,7 +138,10 @@ class TrainingConfig:
     local_batch_size: int | None = None
     gradient_accumulation_steps: int = 1
     seq_len: int = 64
+    #: the compute dtype: ``bfloat16`` runs the forward under ``torch.autocast`` (one process
+    #: or plain replicas; weights, gradients and optimizer states stay float32)
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: the dtype gradients are reduced in (float32 only yet: see the README)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     max_norm: float = 1.0
     seed: int = 0
@@ -259,7 +266,6 @@ def check_job(job: JobConfig) -> None:
         "training.global_batch_size": (job.training.global_batch_size, 1),
         "training.gradient_accumulation_steps": (job.training.gradient_accumulation_steps, 1),
         "parallelism.dp_replicate": (job.parallelism.dp_replicate, 1),
-        "parallelism.dp_shard": (job.parallelism.dp_shard, 1),
         "parallelism.cp": (job.parallelism.cp, 1),
         "parallelism.tp": (job.parallelism.tp, 1),
         "parallelism.pp": (job.parallelism.pp, 1),
@@ -276,6 +282,11 @@ def check_job(job: JobConfig) -> None:
     for key, (value, low) in at_least.items():
         if value < low:
             raise ConfigError(f"expected an int >= {low}, found {value}", path=key)
+    if job.parallelism.dp_shard < 1 and job.parallelism.dp_shard != -1:
+        raise ConfigError(
+            f"expected an int >= 1 or -1 (the rest of the world), found {job.parallelism.dp_shard}",
+            path="parallelism.dp_shard",
+        )
     if job.lr_scheduler.decay_steps is not None and job.lr_scheduler.decay_steps < 1:
         raise ConfigError(
             f"expected an int >= 1 or no value, found {job.lr_scheduler.decay_steps}",
@@ -296,13 +307,14 @@ def check_job(job: JobConfig) -> None:
     for key, number in fractions.items():
         if not 0.0 <= number <= 1.0:
             raise ConfigError(f"expected a float in [0, 1], found {number}", path=key)
-    if job.training.param_dtype != "float32" or job.training.reduce_dtype != "float32":
+    if job.training.param_dtype == "float16":
         raise ConfigError(
-            f"expected float32 (mixed precision is not supported by hp-train yet), found "
-            f"param_dtype={job.training.param_dtype!r}, reduce_dtype={job.training.reduce_dtype!r}",
+            "expected bfloat16 or float32 (float16 needs loss scaling, which hp-train does not "
+            "run), found 'float16'",
             path="training.param_dtype",
         )
-    batch_layout(job)  # raises on a batch that does not divide
+    if job.parallelism.dp_shard != -1:  # else once the world is known (resolve_world)
+        batch_layout(job)  # raises on a batch that does not divide
 
 
 def batch_layout(job: JobConfig) -> tuple[int, int]:
@@ -315,6 +327,12 @@ def batch_layout(job: JobConfig) -> tuple[int, int]:
         (4, 2)
     """
     training, dp = job.training, job.parallelism.dp
+    if job.parallelism.dp_shard == -1:
+        raise ConfigError(
+            "expected the number of data-parallel ranks: -1 (the rest of the world) is resolved "
+            "with the world size first (hyper_parallel.train.trainer.resolve_world)",
+            path="parallelism.dp_shard",
+        )
     if training.local_batch_size is not None:
         local = training.local_batch_size
         if local < 1 or training.global_batch_size % (dp * local):

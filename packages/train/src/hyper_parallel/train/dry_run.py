@@ -146,6 +146,12 @@ def dry_run(
 
     if dist.is_initialized():
         raise RuntimeError("--dry-run plays every rank itself: run it outside a process group")
+    if job.parallelism.dp_shard == -1:
+        raise ConfigError(
+            "expected a number of ranks: resolve -1 (the rest of the world) first "
+            "(resolve_world(job, world_size); hp-train --dry-run --world-size N)",
+            path="parallelism.dp_shard",
+        )
     tokenizer = build_tokenizer(job.tokenizer.path)
     model_config = build_model_config(job, tokenizer.vocab_size, allow_imports)
     local_batch, accumulation = batch_layout(job)

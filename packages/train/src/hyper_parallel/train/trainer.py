@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -24,6 +25,7 @@ from hyper_parallel.dmodule import ParallelDims, get_spec
 from hyper_parallel.dmodule.checkpoint import (
     ModelState,
     PendingSave,
+    StateDictOptions,
     TrainingState,
     latest_step,
     load,
@@ -33,7 +35,7 @@ from hyper_parallel.dmodule.checkpoint import (
     step_path,
 )
 from hyper_parallel.dmodule.layers import MoE, moe_aux_loss, update_load_balance
-from hyper_parallel.dmodule.models.training import StepResult, train_step
+from hyper_parallel.dmodule.models.training import StepResult, eval_loss, train_step
 from hyper_parallel.dmodule.pipeline import Pipeline
 from hyper_parallel.dtensor import (
     DeviceMesh,
@@ -44,14 +46,16 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import DEFAULT_ALLOWED_IMPORTS, JobConfig, batch_layout
-from hyper_parallel.train.data import BatchSampler, PackedSamples, pack, read_documents
+from hyper_parallel.train.data import Batch, BatchSampler, PackedSamples, pack, read_documents
 from hyper_parallel.train.lr import lr_at
 from hyper_parallel.train.metrics import MetricsLogger, StepMetrics
 from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "RunSummary",
+    "autocast_dtype",
     "parallel_dims",
+    "resolve_world",
     "build_model_config",
     "check_layout",
     "check_resume",
@@ -176,6 +180,7 @@ def _check_model_layout(job: JobConfig, config: Any) -> None:
 
 def check_layout(job: JobConfig, world_size: int) -> None:
     """The degrees against the world and what this trainer supports yet (ConfigError naming the key)."""
+    job = resolve_world(job, world_size)
     par = job.parallelism
     if par.world_size != world_size:
         raise ConfigError(
@@ -185,6 +190,7 @@ def check_layout(job: JobConfig, world_size: int) -> None:
             path="parallelism",
         )
     parallel_dims(job, world_size)
+    batch_layout(job)  # with dp_shard = -1 known only now: the global batch divides by dp
     if par.etp != 1:
         raise ConfigError(
             f"expected 1 (hp-train does not run expert tensor parallelism yet: the registered "
@@ -203,17 +209,65 @@ def check_layout(job: JobConfig, world_size: int) -> None:
                 f"expected 1 with parallelism.pp > 1 (not run with a pipeline yet), found {degree}",
                 path=f"parallelism.{key}",
             )
+    _check_precision(job)
     if par.pp > 1:
-        for key, value in (
-            ("checkpoint.dir", job.checkpoint.dir),
-            ("validation.interval", job.validation.interval),
-        ):
-            if value:
-                raise ConfigError(
-                    f"expected no value with parallelism.pp > 1 (not supported with a "
-                    f"pipeline yet), found {value!r}",
-                    path=key,
-                )
+        _check_pipeline_batches(job)
+
+
+def _check_precision(job: JobConfig) -> None:
+    """Mixed precision runs as autocast where TorchTitan runs it so: no FSDP, tp or pp."""
+    training, par = job.training, job.parallelism
+    if training.reduce_dtype != "float32":
+        raise ConfigError(
+            f"expected float32 (gradients are reduced in the weights' float32: the models' "
+            f"fully_shard takes no MixedPrecisionPolicy yet), found {training.reduce_dtype!r}",
+            path="training.reduce_dtype",
+        )
+    if training.param_dtype == "float32":
+        return
+    layout = {
+        "dp_shard x cp (FSDP)": par.dp_shard * par.cp,
+        "tp": par.tp,
+        "pp": par.pp,
+    }
+    sharded = {name: degree for name, degree in layout.items() if degree > 1}
+    if sharded:
+        found = ", ".join(f"{name} = {degree}" for name, degree in sharded.items())
+        raise ConfigError(
+            f"expected float32 with {found}: mixed precision runs as torch.autocast on one "
+            f"process or plain replicas (dp_replicate) only; FSDP's MixedPrecisionPolicy is not "
+            f"passed to the models' fully_shard yet, found {training.param_dtype!r}",
+            path="training.param_dtype",
+        )
+
+
+def autocast_dtype(job: JobConfig) -> torch.dtype | None:
+    """The dtype the forward runs in under ``torch.autocast`` (``None``: float32, no autocast).
+
+    Example::
+
+        >>> autocast_dtype(JobConfig().apply_overrides(["training.param_dtype=bfloat16"]))
+        torch.bfloat16
+    """
+    dtype = job.training.param_dtype
+    return None if dtype == "float32" else getattr(torch, dtype)
+
+
+def _check_pipeline_batches(job: JobConfig) -> None:
+    """A pipeline splits each rank's batch into equal microbatches: training's and validation's."""
+    local_batch, accumulation = batch_layout(job)
+    microbatches = job.parallelism.pipeline_microbatches or job.parallelism.pp
+    batches = [("parallelism.pipeline_microbatches", "training", local_batch * accumulation)]
+    if job.validation.interval:
+        batches.append(("validation.interval", "validation", local_batch))
+    for key, what, batch in batches:
+        if batch % microbatches:
+            raise ConfigError(
+                f"expected the {what} batch per data-parallel rank ({batch} samples) to divide "
+                f"into parallelism.pipeline_microbatches = {microbatches} equal microbatches "
+                f"(the pipeline runs {what} on it), found a remainder of {batch % microbatches}",
+                path=key,
+            )
 
 
 def check_resume(job: JobConfig) -> int:
@@ -235,6 +289,24 @@ def check_resume(job: JobConfig) -> int:
             path="training.steps",
         )
     return found
+
+
+def resolve_world(job: JobConfig, world_size: int) -> JobConfig:
+    """``job`` with ``parallelism.dp_shard = -1`` replaced by the rest of ``world_size``.
+
+    ``ParallelDims``' rule: ``world_size / (dp_replicate x cp x tp x pp)``; a world that
+    does not divide is a ConfigError naming ``parallelism``. Other jobs come back unchanged.
+
+    Example::
+
+        >>> job = JobConfig().apply_overrides(["parallelism.dp_shard=-1", "parallelism.tp=2"])
+        >>> resolve_world(job, 8).parallelism.dp_shard
+        4
+    """
+    if job.parallelism.dp_shard != -1:
+        return job
+    dp_shard = parallel_dims(job, world_size).dp_shard
+    return job.replace(parallelism=dataclasses.replace(job.parallelism, dp_shard=dp_shard))
 
 
 def parallel_dims(job: JobConfig, world_size: int) -> ParallelDims:
@@ -343,6 +415,7 @@ def train(
     """
     platform = get_platform()
     rank, world = platform.get_rank(), platform.get_world_size()
+    job = resolve_world(job, world)
     check_layout(job, world)
     device_type = job.training.device
     device = platform.device_for(device_type)
@@ -404,7 +477,11 @@ def train(
         accumulation=accumulation,
     )
     state = TrainingState(device=device)
-    app: dict[str, Any] = {"app": ModelState(model, optimizer), "train": state}
+    # a stage keeps the full model's FQNs: each rank saves and loads its own stage's states;
+    # optimizer states keyed by FQN too (as TorchTitan), not by group index that stages share
+    (held,) = parts  # the trainer's pipelines hold one stage per rank
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    app: dict[str, Any] = {"app": ModelState(held, optimizer, options=options), "train": state}
     if resume:
         check_resume(job)
         loaded = load(app, job.checkpoint.dir)
@@ -427,6 +504,7 @@ def train(
     pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
     # MoE: token counts are summed over the ranks that route different tokens (the loss view)
     balance_mesh = loss_mesh if loss_mesh.size() > 1 else None
+    routed = bool(_moe_layers(parts))  # found once: no walk over the modules every step
     stepped_model: torch.nn.Module | Pipeline = pipe if pipe is not None else model
     if pipe is None and any(m.config.aux_loss_coeff > 0 for m in _moe_layers(parts)):
         stepped_model = _WithAuxLoss(model)
@@ -439,14 +517,14 @@ def train(
     with stop.installed(), profile as profiler:
         for step in range(state.step + 1, job.training.steps + 1):
             start = time.perf_counter()
-            batches = [b.to(device) for b in sampler.next_step()]
+            microbatches = [_model_inputs(b, device) for b in sampler.next_step()]
             data_seconds = time.perf_counter() - start
             lr = lr_at(step, job.optimizer.lr, job.lr_scheduler)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             result: StepResult = train_step(
                 stepped_model,
-                [(b.tokens, b.targets, b.document_ids) for b in batches],
+                microbatches,
                 optimizer,
                 loss_mesh=loss_mesh,
                 loss_axes=loss_axes,
@@ -455,8 +533,9 @@ def train(
                 max_norm=job.training.max_norm,
                 skip_nonfinite=job.training.skip_nonfinite,
                 step=step,
+                autocast_dtype=autocast_dtype(job),
             )
-            if result.stepped:
+            if result.stepped and routed:
                 for part in parts:
                     update_load_balance(part, balance_mesh)
             seconds = time.perf_counter() - start
@@ -490,7 +569,16 @@ def train(
                 )
             if job.validation.interval and step % job.validation.interval == 0:
                 val = validate(
-                    model, val_samples, job, loss_mesh, loss_axes, dp_rank, dp, local_batch, device
+                    pipe if pipe is not None else model,
+                    val_samples,
+                    job,
+                    loss_mesh,
+                    loss_axes,
+                    dp_rank,
+                    dp,
+                    local_batch,
+                    device,
+                    pp_mesh=pp_mesh,
                 )
                 summary.val_losses[step] = val
                 if metrics is not None:
@@ -527,8 +615,12 @@ def train(
     if pending is not None:
         pending.wait()
         _keep_last(job, rank)
-    if job.checkpoint.export_hf and pipe is None:
-        save_hf(model, job.checkpoint.export_hf)
+    if job.checkpoint.export_hf:
+        if pp_mesh is None:
+            save_hf(model, job.checkpoint.export_hf)
+        else:
+            whole = _gather_stages(model, parts, pp_mesh, rank, device)
+            save_hf(whole, job.checkpoint.export_hf)
         if metrics is not None:
             metrics.note(f"exported Hugging Face weights to {job.checkpoint.export_hf}")
     if metrics is not None:
@@ -536,8 +628,53 @@ def train(
     return summary if rank == 0 else None
 
 
+def _gather_stages(
+    whole: torch.nn.Module,
+    parts: list[torch.nn.Module],
+    pp_mesh: DeviceMesh,
+    rank: int,
+    device: torch.device,
+) -> torch.nn.Module:
+    """``whole`` (the model built on the meta device) holding every stage's states on rank 0.
+
+    Collective over every rank. State by state in ``whole``'s order, the stage that holds
+    it gathers it whole (``full_tensor`` over its own mesh) and its ``pp`` rank broadcasts
+    it over ``pp``; rank 0 alone allocates ``whole`` (on the CPU) and keeps the values.
+    The other ranks return ``whole`` still on the meta device: :func:`save_hf` reads
+    values on rank 0 only.
+    """
+    held: dict[str, torch.Tensor] = {}
+    for part in parts:
+        held.update(part.state_dict())
+    names = list(whole.state_dict())
+    me = pp_mesh.get_local_rank("pp")
+    owners = torch.tensor([me if n in held else -1 for n in names], device=device)
+    owners = collectives.all_reduce(owners, pp_mesh, "pp", "max")
+    if rank == 0:
+        whole.to_empty(device="cpu")
+    values = whole.state_dict()
+    for name, owner in zip(names, owners.tolist(), strict=True):
+        if owner < 0:
+            raise ValueError(
+                f"checkpoint.export_hf: expected a pipeline stage holding {name!r}, found none"
+            )
+        mine = held.get(name)
+        if isinstance(mine, DTensor):
+            mine = mine.full_tensor()  # every rank of the owning stage, in the same order
+        shape, dtype = values[name].shape, values[name].dtype
+        sent = (
+            mine.detach().contiguous()
+            if mine is not None
+            else torch.empty(shape, dtype=dtype, device=device)
+        )
+        got = collectives.broadcast(sent, pp_mesh, "pp", int(owner))
+        if rank == 0:
+            values[name].copy_(got)
+    return whole
+
+
 def validate(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     samples: PackedSamples,
     job: JobConfig,
     mesh: DeviceMesh,
@@ -546,8 +683,19 @@ def validate(
     dp: int,
     local_batch: int,
     device: torch.device,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> float:
-    """Mean loss over ``validation.steps`` global batches of the held-out samples (same every time)."""
+    """Mean loss over ``validation.steps`` global batches of the held-out samples (same every time).
+
+    ``model`` is the trained module or its :class:`Pipeline` (forward only through the
+    schedule; ``pp_mesh`` carries the last stage's loss to every stage's ranks).
+
+    Example::
+
+        val = validate(pipe, held_out, job, loss_mesh, ("loss",), dp_rank, dp, 4, device,
+                       pp_mesh=dims.get_mesh("pp"))
+    """
     sampler = BatchSampler(
         samples,
         seed=0,
@@ -558,29 +706,32 @@ def validate(
         shuffle=False,
     )
     total = torch.zeros(1, device=device)
-    count = 0
-    was_training = model.training
-    model.eval()
-    loss_fn: Any = model.loss
-    takes_documents = "document_ids" in inspect.signature(loss_fn).parameters
-    with torch.no_grad():
-        for _ in range(job.validation.steps):
-            for batch in sampler.next_step():
-                b = batch.to(device)
-                documents = {"document_ids": b.document_ids} if takes_documents else {}
-                loss = loss_fn(b.tokens, b.targets, **documents)
-                value = loss.detach()
-                total += (value.full_tensor() if isinstance(value, DTensor) else value).reshape(1)
-                count += 1
-    model.train(was_training)
+    for _ in range(job.validation.steps):
+        microbatches = [_model_inputs(b, device) for b in sampler.next_step()]
+        total += eval_loss(model, microbatches, pp_mesh=pp_mesh, autocast_dtype=autocast_dtype(job))
     # validation routes no training tokens: load balancing counts only the training batches
-    for layer in _moe_layers([model]):
+    parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
+    for layer in _moe_layers(parts):
         if layer.tokens_per_expert is not None:
             _local(layer.tokens_per_expert).zero_()
-    mean = total / count
+    mean = total / job.validation.steps
     if dp_axes:
         mean = collectives.all_reduce_over(mean, mesh, dp_axes, "avg")
     return float(mean.item())
+
+
+def _model_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(tokens, targets[, document_ids])`` of a microbatch, on ``device``.
+
+    ``document_ids`` only when a row packs more than one document: a row of one document
+    is plain causal attention with positions from 0, the same numbers without the
+    document mask's work (checked on the host, before the copy to ``device``).
+    """
+    packed = bool(batch.document_ids.any())
+    on_device = batch.to(device)
+    if packed:
+        return on_device.tokens, on_device.targets, on_device.document_ids
+    return on_device.tokens, on_device.targets
 
 
 def _moe_layers(parts: list[torch.nn.Module]) -> list[MoE]:

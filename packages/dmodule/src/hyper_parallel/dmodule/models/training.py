@@ -13,7 +13,7 @@ from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
 from hyper_parallel.dtensor import DeviceMesh, DTensor, clip_grad_norm_, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule
 
-__all__ = ["StepResult", "average_gradients", "synthetic_batch", "train_step"]
+__all__ = ["StepResult", "average_gradients", "eval_loss", "synthetic_batch", "train_step"]
 
 
 def synthetic_batch(
@@ -101,6 +101,7 @@ def train_step(
     max_norm: float | None = None,
     skip_nonfinite: bool = False,
     step: int = 0,
+    autocast_dtype: torch.dtype | None = None,
 ) -> StepResult:
     """One optimizer step of any layout: forward and backward, gradient sync, clipping, update.
 
@@ -116,18 +117,21 @@ def train_step(
     replicas; fully sharded modules average their own). ``max_norm`` clips the total norm
     across every mesh (:func:`~hyper_parallel.dtensor.clip_grad_norm_`). A loss that is not
     finite raises ``FloatingPointError`` naming ``step``, or, with ``skip_nonfinite``, skips
-    the update. The caller steps its LR scheduler.
+    the update. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs each microbatch's forward
+    under ``torch.autocast`` (mixed precision without FSDP, as TorchTitan; the backward runs
+    outside it). The caller steps its LR scheduler.
 
     Example::
 
         result = train_step(model, [(tokens, targets)], optimizer, max_norm=1.0, step=1)
     """
+    _check_autocast(model, autocast_dtype, "train_step")
     if isinstance(model, Pipeline):
         parts = list(model.model_parts)
         local = _pipeline_forward_backward(model, microbatches, pp_mesh)
     else:
         parts = [model]
-        local = _forward_backward(model, microbatches)
+        local = _forward_backward(model, microbatches, autocast_dtype=autocast_dtype)
     if average_over is not None:
         for part in parts:
             average_gradients(part, *average_over)
@@ -155,6 +159,54 @@ def train_step(
     return StepResult(value, norm, stepped=True)
 
 
+def eval_loss(
+    model: torch.nn.Module | Pipeline,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    pp_mesh: DeviceMesh | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """This rank's mean loss of ``microbatches``, forward only (validation): no gradient, eval mode.
+
+    The same forward as :func:`train_step`'s (``document_ids`` reach a module's ``loss``
+    when it takes them; a :class:`~hyper_parallel.dmodule.pipeline.Pipeline` runs the
+    microbatches through :meth:`Pipeline.eval` (torch's ``schedule.eval``), and the last
+    stage's loss is broadcast over ``pp_mesh``), without backward and with every module in
+    eval mode for the call (``autocast_dtype`` as in :func:`train_step`). Returns a
+    one-element tensor, not averaged over data-parallel ranks (the caller reduces it as
+    :func:`train_step` reduces the training loss).
+
+    Example::
+
+        val = eval_loss(model, [(tokens, targets)])
+    """
+    _check_autocast(model, autocast_dtype, "eval_loss")
+    parts = list(model.model_parts) if isinstance(model, Pipeline) else [model]
+    modes = [(m, m.training) for part in parts for m in part.modules()]
+    for part in parts:
+        part.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(model, Pipeline):
+                return _pipeline_forward_backward(model, microbatches, pp_mesh, backward=False)
+            return _forward_backward(
+                model, microbatches, backward=False, autocast_dtype=autocast_dtype
+            ).reshape(1)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _check_autocast(
+    model: torch.nn.Module | Pipeline, autocast_dtype: torch.dtype | None, where: str
+) -> None:
+    if autocast_dtype is not None and isinstance(model, Pipeline):
+        raise ValueError(
+            f"{where}: autocast_dtype: expected None with a Pipeline (its stages' forwards run "
+            f"inside torch's schedule), found {autocast_dtype}"
+        )
+
+
 def _clip_across_stages(
     parameters: Sequence[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh
 ) -> float:
@@ -172,17 +224,26 @@ def _clip_across_stages(
 
 
 def _forward_backward(
-    model: torch.nn.Module, microbatches: Sequence[tuple[torch.Tensor, ...]]
+    model: torch.nn.Module,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    backward: bool = True,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     loss_fn: Callable[..., torch.Tensor] = model.loss  # type: ignore[assignment]
     takes_documents = _takes_documents(loss_fn)
     total: torch.Tensor | None = None
     for tokens, targets, *rest in microbatches:
         kwargs = {"document_ids": rest[0]} if rest and takes_documents else {}
-        loss = loss_fn(tokens, targets, **kwargs)
+        if autocast_dtype is None:
+            loss = loss_fn(tokens, targets, **kwargs)
+        else:
+            with torch.autocast(tokens.device.type, dtype=autocast_dtype):
+                loss = loss_fn(tokens, targets, **kwargs)
         if len(microbatches) > 1:
             loss = loss / len(microbatches)
-        loss.backward()  # type: ignore[no-untyped-call]
+        if backward:
+            loss.backward()  # type: ignore[no-untyped-call]
         value = loss.detach()
         # a replicated DTensor loss holds the whole value: read it as a plain tensor
         value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -200,6 +261,8 @@ def _pipeline_forward_backward(
     pipe: Pipeline,
     microbatches: Sequence[tuple[torch.Tensor, ...]],
     pp_mesh: DeviceMesh | None,
+    *,
+    backward: bool = True,
 ) -> torch.Tensor:
     tokens = torch.cat([batch[0] for batch in microbatches])
     targets = torch.cat([batch[1] for batch in microbatches])
@@ -208,7 +271,8 @@ def _pipeline_forward_backward(
     if all(len(b) > 2 for b in microbatches) and _takes_documents(forward):
         # every stage's attention needs the documents (pipeline stages take the whole batch's)
         inputs["document_ids"] = torch.cat([batch[2] for batch in microbatches])
-    loss = pipe.step(tokens, target=targets, **inputs)
+    run = pipe.step if backward else pipe.eval
+    loss = run(tokens, target=targets, **inputs)
     mine = loss if loss is not None else torch.zeros((), device=tokens.device)
     if pp_mesh is None:
         return mine.detach()

@@ -338,6 +338,32 @@ class Pipeline:
             loss = pipe.step(tokens, target=targets)
             loss = pipe.step(tokens, target=targets, document_ids=document_ids)  # packed
         """
+        return self._run(inputs, target, forward_inputs, backward=True)
+
+    def eval(
+        self,
+        inputs: torch.Tensor | None,
+        target: torch.Tensor | None = None,
+        **forward_inputs: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """:meth:`step`'s forward only (torch's ``schedule.eval``): the same batch contract,
+        checks and loss, no backward and no gradients.
+
+        Example::
+
+            with torch.no_grad():
+                val_loss = pipe.eval(tokens, target=targets)
+        """
+        return self._run(inputs, target, forward_inputs, backward=False)
+
+    def _run(
+        self,
+        inputs: torch.Tensor | None,
+        target: torch.Tensor | None,
+        forward_inputs: dict[str, torch.Tensor],
+        *,
+        backward: bool,
+    ) -> torch.Tensor | None:
         for name, value in (("inputs", inputs), ("target", target), *forward_inputs.items()):
             if value is not None:
                 self._check_batch(name, value)
@@ -376,13 +402,18 @@ class Pipeline:
             target_mbs = [torch.tensor(i) for i in range(n)]
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         try:
-            self.schedule.step(
-                arg_mbs=arg_mbs,
-                kwarg_mbs=kwarg_mbs,
-                target_mbs=target_mbs,
-                losses=losses,
-                return_outputs=False,
-            )
+            if backward:
+                self.schedule.step(
+                    arg_mbs=arg_mbs,
+                    kwarg_mbs=kwarg_mbs,
+                    target_mbs=target_mbs,
+                    losses=losses,
+                    return_outputs=False,
+                )
+            else:
+                self.schedule.eval(
+                    arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses
+                )
         finally:
             batch.targets, batch.inputs, batch.weights = [], [], None
         if losses is None:
@@ -509,10 +540,14 @@ def pipeline(
     _check_microbatches(schedule_name, n_microbatches, pp, num_stages, where=where)
     plans = plan_stages(model, cut, num_stages, split, where=where)
     others = tuple(n for n in names if n != PP)
-    # stages are parallelized over the dims themselves only when the mesh has other axes
-    stage_dims = dims if others else None
-    layout = _activation_layout(
-        cut.activation_layout(config), mesh, others, stage_dims, where=where
+    declared = cut.activation_layout(config)
+    layout = _activation_layout(declared, mesh, others, where=where)
+    # stages parallelized over the dims themselves (the mesh has other axes) may hold
+    # DTensors on a view with axes of size 1 (a tp of 1 under ep): their activations too
+    dims_layout = (
+        _activation_layout(declared, mesh, others, dims, where=where)
+        if dims is not None and others
+        else None
     )
 
     # -- build: nothing above allocated, communicated or changed the model ------------
@@ -535,7 +570,8 @@ def pipeline(
                 part = parallelize_fn(part, stage_mesh, None) or part
             else:
                 part.parallelize(stage_mesh)  # type: ignore[operator]
-        module = _StageModule(part, plans[index], layout)
+        on_view = dims_layout is not None and _holds_dtensors_on(part, dims_layout.mesh)
+        module = _StageModule(part, plans[index], dims_layout if on_view else layout)
         modules.append(module)
         stages.append(_stage_class()(module, index, num_stages, device, group=group))
     last = next((m for m in modules if m.plan.is_last), None)
@@ -601,6 +637,20 @@ def _schedule_name(schedule: object, *, where: str) -> str:
     raise ValueError(f"{where}: schedule: expected one of {list(SCHEDULES)}, found {schedule!r}")
 
 
+def _holds_dtensors_on(part: torch.nn.Module, view: DeviceMesh) -> bool:
+    """Whether a parallelized stage holds parameters that are DTensors over ``view``'s axes.
+
+    Such a stage's blocks compute on DTensors of that view, sizes of 1 included, and so
+    send and receive their activations as DTensors; a stage whose parameters are plain
+    (or sharded over other axes only, as FSDP's over ``dp_shard``) sends plain tensors.
+    """
+    axes = set(view.mesh_dim_names or ())
+    return any(
+        isinstance(p, DTensor) and axes <= set(p.device_mesh.mesh_dim_names or ())
+        for p in part.parameters()
+    )
+
+
 def _activation_layout(
     declared: NamedPlacement | None,
     mesh: DeviceMesh,
@@ -612,8 +662,8 @@ def _activation_layout(
     """The declared layout over the mesh axes it names that this mesh has (none: plain tensors).
 
     With the :class:`ParallelDims` the stages are parallelized over, it lives on the view
-    holding the axes it names, sizes of 1 included: the stages' DTensors live there too
-    (e.g. on a ``tp`` of size 1).
+    holding the axes it names, sizes of 1 included (for stages whose DTensors live there,
+    e.g. on a ``tp`` of size 1: :func:`_holds_dtensors_on`).
     """
     if declared is None:
         return None
