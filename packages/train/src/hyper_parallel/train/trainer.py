@@ -170,6 +170,19 @@ def _check_model_layout(job: JobConfig, config: Any) -> None:
             f"expected a divisor of model.config.num_experts ({config.num_experts}), found {par.ep}",
             path="parallelism.ep",
         )
+    if par.etp > 1 and not getattr(config, "num_experts", 0):
+        raise ConfigError(
+            f"expected 1: model {name!r} ({job.model.flavor or 'default'} flavor) has no "
+            f"routed experts to split over etp, found {par.etp}",
+            path="parallelism.etp",
+        )
+    if par.pp > 1 and getattr(config, "aux_loss_coeff", 0.0) > 0:
+        # a pipeline's loss exists on its last stage only; the MoE blocks live on every stage
+        raise ConfigError(
+            f"expected 0 with parallelism.pp = {par.pp} (the auxiliary loss is not added "
+            f"through a pipeline's stages), found {config.aux_loss_coeff}",
+            path="model.config.aux_loss_coeff",
+        )
     if par.cp > 1 and job.training.seq_len % (2 * par.cp):
         raise ConfigError(
             f"expected a multiple of 2 x parallelism.cp = {2 * par.cp} (each cp rank holds two "
@@ -191,24 +204,6 @@ def check_layout(job: JobConfig, world_size: int) -> None:
         )
     parallel_dims(job, world_size)
     batch_layout(job)  # with dp_shard = -1 known only now: the global batch divides by dp
-    if par.etp != 1:
-        raise ConfigError(
-            f"expected 1 (hp-train does not run expert tensor parallelism yet: the registered "
-            f"models' experts have no etp layout), found {par.etp}",
-            path="parallelism.etp",
-        )
-    if par.ep > 1 and par.tp > 1:
-        raise ConfigError(
-            f"expected ep > 1 with tp = 1 (experts over ep with a tp-replicated input need "
-            f"etp = tp, not run yet), found ep = {par.ep}, tp = {par.tp}",
-            path="parallelism.ep",
-        )
-    for key, degree in (("cp", par.cp), ("ep", par.ep)):
-        if degree > 1 and par.pp > 1:
-            raise ConfigError(
-                f"expected 1 with parallelism.pp > 1 (not run with a pipeline yet), found {degree}",
-                path=f"parallelism.{key}",
-            )
     _check_precision(job)
     if par.pp > 1:
         _check_pipeline_batches(job)
