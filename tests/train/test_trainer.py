@@ -166,12 +166,20 @@ def test_a_tokenizer_vocabulary_larger_than_the_model_is_refused(tmp_path: Path)
     assert error.value.path == "model.config.vocab_size"
 
 
+#: qwen3-ref with routed experts, so that an etp degree reaches ParallelDims' own check
+TINY_MOE_MODEL = ["model.name=qwen3-ref", "model.flavor=debug-moe"]
+
+
 def test_resume_without_a_checkpoint_and_a_layout_off_the_world_are_refused(tmp_path: Path) -> None:
     job = tiny_job(write_corpus(tmp_path), f"checkpoint.dir={tmp_path}/none")
     with pytest.raises(ConfigError, match="expected a committed checkpoint"):
         preflight(job, resume=True)
-    with pytest.raises(ConfigError, match=r"expected 1 .hp-train does not run expert tensor"):
-        preflight(tiny_job(tmp_path, "parallelism.tp=2", "parallelism.etp=2"), resume=False)
+    with pytest.raises(ConfigError, match=r"etp must be 1 or tp \(2\), found etp=3") as error:
+        preflight(
+            tiny_job(tmp_path, *TINY_MOE_MODEL, "parallelism.tp=2", "parallelism.etp=3"),
+            resume=False,
+        )
+    assert error.value.path == "parallelism"
 
 
 def test_flops_per_token_equal_a_hand_count_for_llama_ref() -> None:
