@@ -477,13 +477,14 @@ def train(
             pipe.init_weights(buffer_device=device)
         parts = list(pipe.model_parts)
     else:
-        ac: dict[str, object] = {
+        # the parallelize_fn's job_config: TorchTitan's activation checkpointing and FSDP policy
+        model_options: dict[str, object] = {
             "activation_checkpoint": job.parallelism.activation_checkpoint,
             "mp_policy": mixed_precision_policy(job),
         }
         # with neither tp nor fsdp the model stays a plain module (replicas average below)
         if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
-            model = spec.parallelize_fn(model, dims, ac)
+            model = spec.parallelize_fn(model, dims, model_options)
         model.to_empty(device=device)
         torch.manual_seed(job.training.seed)
         with warnings.catch_warnings():
