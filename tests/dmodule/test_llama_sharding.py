@@ -128,7 +128,7 @@ def test_parallelize_llama_runs_tp_then_ac_then_compile_then_fsdp(
         monkeypatch.setattr(
             llama_sharding,
             step,
-            lambda model, *args, _step=step: calls.append((_step, args[0] if args else None)),
+            lambda model, *args, _step=step, **_: calls.append((_step, args[0] if args else None)),
         )
     monkeypatch.setattr(
         llama_sharding,

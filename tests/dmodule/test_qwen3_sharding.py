@@ -57,7 +57,7 @@ def test_parallelize_qwen3_runs_tp_then_ac_then_compile_then_fsdp(
     calls: list[str] = []
     for step in ("apply_tp", "apply_compile", "apply_fsdp"):
         monkeypatch.setattr(
-            qwen3_sharding, step, lambda model, *args, _step=step: calls.append(_step)
+            qwen3_sharding, step, lambda model, *args, _step=step, **_: calls.append(_step)
         )
     monkeypatch.setattr(
         qwen3_sharding,

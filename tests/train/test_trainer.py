@@ -241,8 +241,13 @@ def test_bfloat16_runs_the_forward_under_autocast_on_one_process(tmp_path: Path)
 @pytest.mark.parametrize(
     ("overrides", "key", "message"),
     [
-        (["parallelism.dp_shard=2"], "training.param_dtype", r"float32 with dp_shard x cp"),
-        (["parallelism.tp=2"], "training.param_dtype", r"float32 with tp = 2"),
+        (["parallelism.pp=2"], "training.param_dtype", r"float32 with pp = 2"),
+        (
+            ["parallelism.pp=2", "training.param_dtype=float32", "training.reduce_dtype=bfloat16"],
+            "training.reduce_dtype",
+            r"float32 with pp = 2",
+        ),
+        (["parallelism.tp=2"], "training.param_dtype", r"float32 with tp = 2 and no FSDP"),
         (
             ["training.param_dtype=float32", "training.reduce_dtype=bfloat16"],
             "training.reduce_dtype",

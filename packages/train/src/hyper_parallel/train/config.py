@@ -138,10 +138,10 @@ class TrainingConfig:
     local_batch_size: int | None = None
     gradient_accumulation_steps: int = 1
     seq_len: int = 64
-    #: the compute dtype: ``bfloat16`` runs the forward under ``torch.autocast`` (one process
-    #: or plain replicas; weights, gradients and optimizer states stay float32)
+    #: the compute dtype: ``bfloat16`` is FSDP's ``MixedPrecisionPolicy`` with FSDP, else the
+    #: forward under ``torch.autocast`` (weights, gradients and optimizer states stay float32)
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    #: the dtype gradients are reduced in (float32 only yet: see the README)
+    #: the dtype FSDP reduces gradients in (float32 without FSDP: see the README)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     max_norm: float = 1.0
     seed: int = 0

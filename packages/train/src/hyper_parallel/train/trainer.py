@@ -44,6 +44,7 @@ from hyper_parallel.dtensor import (
     collectives,
     init_device_mesh,
 )
+from hyper_parallel.dtensor.fsdp import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import DEFAULT_ALLOWED_IMPORTS, JobConfig, batch_layout
 from hyper_parallel.train.data import Batch, BatchSampler, PackedSamples, pack, read_documents
@@ -54,6 +55,7 @@ from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 __all__ = [
     "RunSummary",
     "autocast_dtype",
+    "mixed_precision_policy",
     "parallel_dims",
     "resolve_world",
     "build_model_config",
@@ -209,35 +211,67 @@ def check_layout(job: JobConfig, world_size: int) -> None:
         _check_pipeline_batches(job)
 
 
+#: ``training.param_dtype`` / ``reduce_dtype`` names and the dtypes they stand for
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def _check_precision(job: JobConfig) -> None:
-    """Mixed precision runs as autocast where TorchTitan runs it so: no FSDP, tp or pp."""
+    """Mixed precision runs where TorchTitan runs it: FSDP's ``MixedPrecisionPolicy`` (any
+    ``dp_shard x cp > 1`` layout but ``pp``), else autocast on one process or plain replicas."""
     training, par = job.training, job.parallelism
+    if training.param_dtype == training.reduce_dtype == "float32":
+        return
+    fsdp = par.dp_shard * par.cp > 1
+    if par.pp > 1:  # the pipeline's stages are fully sharded without the policy
+        name, found = (
+            ("param_dtype", training.param_dtype)
+            if training.param_dtype != "float32"
+            else ("reduce_dtype", training.reduce_dtype)
+        )
+        raise ConfigError(
+            f"expected float32 with pp = {par.pp}: the pipeline's stages take no "
+            f"MixedPrecisionPolicy yet, found {found!r}",
+            path=f"training.{name}",
+        )
+    if fsdp:
+        return  # FSDP's MixedPrecisionPolicy (see mixed_precision_policy)
     if training.reduce_dtype != "float32":
         raise ConfigError(
-            f"expected float32 (gradients are reduced in the weights' float32: the models' "
-            f"fully_shard takes no MixedPrecisionPolicy yet), found {training.reduce_dtype!r}",
+            f"expected float32 without FSDP (dp_shard x cp = 1): gradients are reduced in the "
+            f"weights' float32 unless FSDP reduces them, found {training.reduce_dtype!r}",
             path="training.reduce_dtype",
         )
-    if training.param_dtype == "float32":
-        return
-    layout = {
-        "dp_shard x cp (FSDP)": par.dp_shard * par.cp,
-        "tp": par.tp,
-        "pp": par.pp,
-    }
-    sharded = {name: degree for name, degree in layout.items() if degree > 1}
-    if sharded:
-        found = ", ".join(f"{name} = {degree}" for name, degree in sharded.items())
+    if par.tp > 1:
         raise ConfigError(
-            f"expected float32 with {found}: mixed precision runs as torch.autocast on one "
-            f"process or plain replicas (dp_replicate) only; FSDP's MixedPrecisionPolicy is not "
-            f"passed to the models' fully_shard yet, found {training.param_dtype!r}",
+            f"expected float32 with tp = {par.tp} and no FSDP: mixed precision runs as FSDP's "
+            f"MixedPrecisionPolicy (dp_shard x cp > 1) or as torch.autocast on one process or "
+            f"plain replicas (dp_replicate), found {training.param_dtype!r}",
             path="training.param_dtype",
         )
 
 
+def mixed_precision_policy(job: JobConfig) -> MixedPrecisionPolicy | None:
+    """FSDP's policy for ``training.param_dtype`` / ``reduce_dtype`` (``None``: no FSDP or float32).
+
+    As TorchTitan: bfloat16 compute copies of the float32 weights, gradients reduced in
+    ``reduce_dtype``; the weights, their gradients and AdamW's states stay float32.
+
+    Example::
+
+        >>> mixed_precision_policy(JobConfig().apply_overrides(
+        ...     ["training.param_dtype=bfloat16", "parallelism.dp_shard=2"])).param_dtype
+        torch.bfloat16
+    """
+    training, par = job.training, job.parallelism
+    if par.dp_shard * par.cp == 1 or training.param_dtype == training.reduce_dtype == "float32":
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=_DTYPES[training.param_dtype], reduce_dtype=_DTYPES[training.reduce_dtype]
+    )
+
+
 def autocast_dtype(job: JobConfig) -> torch.dtype | None:
-    """The dtype the forward runs in under ``torch.autocast`` (``None``: float32, no autocast).
+    """The dtype the forward runs in under ``torch.autocast`` (``None``: float32 or FSDP's policy).
 
     Example::
 
@@ -245,7 +279,9 @@ def autocast_dtype(job: JobConfig) -> torch.dtype | None:
         torch.bfloat16
     """
     dtype = job.training.param_dtype
-    return None if dtype == "float32" else getattr(torch, dtype)
+    if dtype == "float32" or mixed_precision_policy(job) is not None:
+        return None
+    return _DTYPES[dtype]
 
 
 def _check_pipeline_batches(job: JobConfig) -> None:
@@ -441,10 +477,14 @@ def train(
             pipe.init_weights(buffer_device=device)
         parts = list(pipe.model_parts)
     else:
-        ac = {"activation_checkpoint": job.parallelism.activation_checkpoint}
+        # the parallelize_fn's job_config: TorchTitan's activation checkpointing and FSDP policy
+        model_options: dict[str, object] = {
+            "activation_checkpoint": job.parallelism.activation_checkpoint,
+            "mp_policy": mixed_precision_policy(job),
+        }
         # with neither tp nor fsdp the model stays a plain module (replicas average below)
         if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
-            model = spec.parallelize_fn(model, dims, ac)
+            model = spec.parallelize_fn(model, dims, model_options)
         model.to_empty(device=device)
         torch.manual_seed(job.training.seed)
         with warnings.catch_warnings():

@@ -49,7 +49,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate the two halves of the last dim of ``x`` (``(..., seq, head_dim)``) by position.
 
     ``cos``/``sin`` are the tables' rows of each token's position, broadcastable to
-    ``(..., seq, head_dim // 2)`` (e.g. ``(batch, 1, seq, head_dim // 2)``).
+    ``(..., seq, head_dim // 2)`` (e.g. ``(batch, 1, seq, head_dim // 2)``). The result
+    keeps ``x``'s dtype: the float32 tables are cast to it first, as transformers' rotary
+    embedding does, so bfloat16 queries (FSDP's mixed precision) stay bfloat16.
 
     Example::
 
@@ -59,6 +61,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     # chunk (not slicing) keeps the backward free of slice_backward, which has no DTensor rule.
     first, second = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 

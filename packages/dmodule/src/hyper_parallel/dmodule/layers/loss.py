@@ -20,7 +20,8 @@ def cross_entropy(
     the softmax all-reduces the row max and the sum of exponentials, and the class-
     sharded ``nll_loss`` picks each rank's targets). ``targets`` is a plain tensor, the
     same on every rank (a DTensor one is gathered first). The result is a plain scalar
-    tensor, equal on every rank.
+    tensor, equal on every rank. Lower-precision logits (bfloat16 under FSDP's mixed
+    precision) are scored in float32, as TorchTitan's loss does.
 
     Example::
 
@@ -31,6 +32,7 @@ def cross_entropy(
     """
     if isinstance(targets, DTensor):
         targets = targets.full_tensor()
+    logits = logits.float()
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)
     if all(p.is_replicate() for p in logits.placements):

@@ -1,4 +1,5 @@
-"""What the reference models' plans share: head-count checks, compile, the pipeline call.
+"""What the reference models' plans share: head-count checks, compile, FSDP's mixed precision,
+the pipeline call.
 
 Each model's plan still lives in its own file (``llama_sharding.py``, ``qwen3_sharding.py``);
 what is the same logic in both (and in their Configs' checks) is written once here and
@@ -21,11 +22,13 @@ from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, pipeline
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
+from hyper_parallel.dtensor.fsdp import MixedPrecisionPolicy
 
 __all__ = [
     "apply_compile",
     "check_head_sizes",
     "check_heads_divide_tp",
+    "mp_policy",
     "pipeline_with_loss",
     "tp_size",
 ]
@@ -126,6 +129,35 @@ def apply_compile(model: _M) -> _M:
     if getattr(getattr(model, "config", None), "compile_local_map", False):
         compile_local_maps(model)
     return model
+
+
+def mp_policy(job_config: object, *, where: str) -> MixedPrecisionPolicy:
+    """The ``MixedPrecisionPolicy`` a job config gives every ``fully_shard`` (default: none).
+
+    Read from ``job_config["mp_policy"]`` (or ``job_config.mp_policy``): TorchTitan's one
+    policy (``param_dtype``, ``reduce_dtype``) for all of a model's FSDP units. Anything
+    else is refused, naming ``where``, before the model changes.
+
+    Example::
+
+        >>> mp_policy({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
+        ...           where="parallelize_llama").param_dtype
+        torch.bfloat16
+        >>> mp_policy(None, where="parallelize_llama")
+        MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True)
+    """
+    if isinstance(job_config, Mapping):
+        found = job_config.get("mp_policy")
+    else:
+        found = getattr(job_config, "mp_policy", None)
+    if found is None:
+        return MixedPrecisionPolicy()
+    if not isinstance(found, MixedPrecisionPolicy):
+        raise TypeError(
+            f"{where}: job_config['mp_policy']: expected a MixedPrecisionPolicy, "
+            f"found {type(found).__name__} {found!r}"
+        )
+    return found
 
 
 def pipeline_with_loss(

@@ -55,12 +55,16 @@ from hyper_parallel.dmodule.layers import (
     RMSNorm,
     TransformerBlock,
 )
-from hyper_parallel.dmodule.models._sharding import apply_compile, check_heads_divide_tp
+from hyper_parallel.dmodule.models._sharding import (
+    apply_compile,
+    check_heads_divide_tp,
+    mp_policy,
+)
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
-from hyper_parallel.dtensor.fsdp import FSDPModule, fully_shard
+from hyper_parallel.dtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 if TYPE_CHECKING:  # annotations only: llama.py imports this file to build its parts
     from hyper_parallel.dmodule.models.llama import Llama
@@ -203,7 +207,8 @@ def parallelize_llama(
     when ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
     ``"selective"``; then the ``local_map`` blocks compiled when the model's
     ``compile_local_map`` says so; then, on a mesh with a ``dp_shard`` axis (and
-    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`). A
+    ``dp_replicate``), fully sharded data parallelism over it (:func:`apply_fsdp`), every
+    unit with ``job_config["mp_policy"]`` (a ``MixedPrecisionPolicy``, default none). A
     :class:`ParallelDims` gives TP over its ``tp`` view and FSDP over its ``fsdp`` view.
 
     Example::
@@ -213,6 +218,7 @@ def parallelize_llama(
         model = parallelize_llama(Llama.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
+    policy = mp_policy(job_config, where="parallelize_llama")
     cp_mesh, tp_from_cp = split_cp_mesh(mesh)
     tp_mesh = _tp_mesh(mesh) if cp_mesh is None else tp_from_cp
     check_cp(model, cp_mesh, tp_mesh)
@@ -223,7 +229,7 @@ def parallelize_llama(
     # FSDP's hooks stay outside the checkpointed forward, so the recompute does not unshard twice
     apply_activation_checkpointing(model.layers, mode=ac_mode)
     apply_compile(model)
-    apply_fsdp(model, mesh)
+    apply_fsdp(model, mesh, mp_policy=policy)
     return model
 
 
@@ -374,11 +380,18 @@ def apply_tp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
     return model
 
 
-def apply_fsdp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
+def apply_fsdp(
+    model: Llama,
+    mesh: DeviceMesh | ParallelDims,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> Llama:
     """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
-    together, then the root. A mesh without a ``dp_shard`` axis leaves the model as it is.
+    together, then the root, each with ``mp_policy`` (TorchTitan's mixed precision: e.g.
+    bfloat16 compute copies of float32 weights). A mesh without a ``dp_shard`` axis leaves
+    the model as it is.
 
     Example::
 
@@ -414,11 +427,12 @@ def apply_fsdp(model: Llama, mesh: DeviceMesh | ParallelDims) -> Llama:
         hooks = model.__dict__.pop("_cp_grad_hooks", None)
         if hooks is not None:
             hooks.remove()
-    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard([model.norm, model.output], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     if cp > 1:  # a sum over the cp ranks (each holds a share of one loss), a mean over the data
         cast("FSDPModule", model).set_gradient_divide_factor(float(data_parallel))
     return model

@@ -46,14 +46,18 @@ from hyper_parallel.dmodule.layers import (
     block_sharding,
     expert_sharding,
 )
-from hyper_parallel.dmodule.models._sharding import apply_compile, check_heads_divide_tp
+from hyper_parallel.dmodule.models._sharding import (
+    apply_compile,
+    check_heads_divide_tp,
+    mp_policy,
+)
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
-from hyper_parallel.dtensor.fsdp import FSDPModule, fully_shard
+from hyper_parallel.dtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 if TYPE_CHECKING:  # annotations only: qwen3.py imports this file to build its parts
     from hyper_parallel.dmodule.models.qwen3 import Qwen3
@@ -210,7 +214,8 @@ def parallelize_qwen3(
     ``ep``/``etp`` of the expert view); then activation checkpointing of every block when
     ``job_config.activation_checkpoint`` (or its ``.mode``) is ``"full"`` or
     ``"selective"``; then the ``local_map`` blocks compiled when ``compile_local_map`` is
-    set; then fully sharded data parallelism (:func:`apply_fsdp`).
+    set; then fully sharded data parallelism (:func:`apply_fsdp`), every unit with
+    ``job_config["mp_policy"]`` (a ``MixedPrecisionPolicy``, default none).
 
     Example::
 
@@ -218,14 +223,16 @@ def parallelize_qwen3(
         model = parallelize_qwen3(Qwen3.Config().build(), mesh, {"activation_checkpoint": "full"})
     """
     ac_mode = checkpoint_mode(job_config)  # checked before anything changes
+    policy = mp_policy(job_config, where="parallelize_qwen3")
     _check_expert_layout(model, mesh)
+    _check_expert_precision(model, mesh, policy)
     tp_mesh = _tp_mesh(mesh)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     # FSDP's hooks stay outside the checkpointed forward, so the recompute does not unshard twice
     apply_activation_checkpointing(model.layers, mode=ac_mode)
     apply_compile(model)
-    apply_fsdp(model, mesh)
+    apply_fsdp(model, mesh, mp_policy=policy)
     return model
 
 
@@ -290,12 +297,18 @@ def _use_expert_tensor_parallel(model: Qwen3) -> list[tuple[Module, ShardingConf
     return changed
 
 
-def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
+def apply_fsdp(
+    model: Qwen3,
+    mesh: DeviceMesh | ParallelDims,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> Qwen3:
     """``fully_shard`` over the data-parallel axes (``dp_shard``, and ``dp_replicate``: HSDP).
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
     together, then the root; under a :class:`ParallelDims` the routed experts first, over
-    ``efsdp``. A mesh without a ``dp_shard`` axis leaves the model as it is.
+    ``efsdp``. Every unit takes ``mp_policy`` (TorchTitan's mixed precision). A mesh
+    without a ``dp_shard`` axis leaves the model as it is.
 
     Example::
 
@@ -312,15 +325,16 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
             return model
         hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
         dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
-    expert_params = _expert_parameters(model, mesh)
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    expert_params = _expert_parameters(model, mesh, policy)
     expert_ids = {id(p) for p in expert_params}
-    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
     for layer in model.layers:
         # the routed experts stay on the expert view (their FSDP, over efsdp, is ep's business)
         mine = {p for p in layer.parameters() if id(p) in expert_ids}
-        fully_shard(layer, mesh=dp_mesh, ignored_params=mine or None)
-    fully_shard([model.norm, model.output], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None)
+        fully_shard(layer, mesh=dp_mesh, ignored_params=mine or None, mp_policy=policy)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None, mp_policy=policy)
     return model
 
 
@@ -336,7 +350,33 @@ def _check_expert_layout(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> None:
         )
 
 
-def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[torch.nn.Parameter]:
+def _check_expert_precision(
+    model: Qwen3, mesh: DeviceMesh | ParallelDims, policy: MixedPrecisionPolicy
+) -> None:
+    """Refuse a lower ``param_dtype`` when the routed experts sit outside every FSDP unit.
+
+    Only EP with copies (``efsdp x dp_replicate > 1``) gives the experts FSDP units of their
+    own; otherwise they keep float32 weights that bfloat16 tokens cannot multiply.
+    """
+    if not isinstance(mesh, ParallelDims) or not mesh.fsdp_enabled:
+        return
+    if policy.param_dtype in (None, torch.float32):
+        return
+    if not any(hasattr(layer.feed_forward, "experts") for layer in model.layers):
+        return
+    if mesh.ep_enabled and mesh.efsdp * mesh.dp_replicate > 1:
+        return
+    raise ValueError(
+        f"parallelize_qwen3: job_config['mp_policy'].param_dtype = {policy.param_dtype}: "
+        f"the routed experts get FSDP units (and so the policy) only under ep > 1 with "
+        f"efsdp x dp_replicate > 1, found ep = {mesh.ep}, efsdp = {mesh.efsdp}, "
+        f"dp_replicate = {mesh.dp_replicate}; expected float32 or that layout"
+    )
+
+
+def _expert_parameters(
+    model: Qwen3, mesh: DeviceMesh | ParallelDims, policy: MixedPrecisionPolicy
+) -> set[torch.nn.Parameter]:
     """Make each routed expert's gradient the global mean; the parameters dense FSDP must skip.
 
     An expert's gradient on a rank is the sum of the mean losses' gradients of the ranks
@@ -344,8 +384,9 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
     back). Summed over the expert's copies (``efsdp`` and ``dp_replicate``) and divided by
     the ranks it then counts, it is the gradient of the global batch's mean loss, as
     FSDP's average makes the dense ones. Under EP with copies, the experts' own FSDP units
-    over ``efsdp`` do it (TorchTitan's); otherwise (``ep == 1``: replicated experts, or no
-    copies) a gradient hook does, and the dense units skip the returned parameters.
+    over ``efsdp`` do it (TorchTitan's), with ``policy``; otherwise (``ep == 1``: replicated
+    experts, or no copies) a gradient hook does, and the dense units skip the returned
+    parameters.
     """
     if not isinstance(mesh, ParallelDims):
         return set()
@@ -362,7 +403,7 @@ def _expert_parameters(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> set[tor
         # TorchTitan's layout: the experts' copies sharded over efsdp by their own FSDP units,
         # whose sum over the copies, divided by every rank the sum counts, is the mean
         for module in experts:
-            unit = fully_shard(module, mesh=mesh.efsdp_mesh)
+            unit = fully_shard(module, mesh=mesh.efsdp_mesh, mp_policy=policy)
             assert isinstance(unit, FSDPModule)
             unit.set_gradient_divide_factor(factor)
         return set()
