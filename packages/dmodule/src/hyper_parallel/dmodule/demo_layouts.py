@@ -139,13 +139,6 @@ def layout_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
         problems.append("--ep needs --model qwen3-moe (llama-ref has no experts)")
     if moe and args.cp > 1:
         problems.append("--cp needs --model llama-ref (Qwen3Attention has no context parallelism)")
-    if args.pp > 1 and (args.cp > 1 or args.packed):
-        # pipeline(llama-ref, ParallelDims(pp=2, cp=2)) fails in a stage's first forward on
-        # this release (a plain activation meets DTensor weights): refused before any rank starts
-        problems.append(
-            "--pp does not compose with --cp or --packed yet (pipeline stages under context "
-            "parallelism fail); --pp composes with --model qwen3-moe --ep, --tp and --dp-shard"
-        )
     if moe and args.experts % args.ep:
         problems.append(f"--experts {args.experts} must divide by --ep {args.ep}")
     unsupported = [
@@ -326,7 +319,12 @@ def train_layout_rank(options: Options) -> RankReport | None:
             "n_microbatches": options.microbatches,
             "stages_per_rank": _stages_per_rank(options.schedule),
         }
-        pipe: Pipeline = spec.pipelining_fn(model, dims, {"pipeline": pipeline_options})
+        # llama-ref's stages get the dims' world mesh: given the dims themselves, pipeline()
+        # rebuilds the activations between stages on their tp view even where tp and its
+        # view have size 1, while cp's stages (tp=1) hold plain tensors: a stage's first
+        # forward then mixes the two (pipeline(llama, ParallelDims(pp=2, cp=2)) fails so)
+        target = dims if isinstance(model, Qwen3) else dims.world_mesh
+        pipe: Pipeline = spec.pipelining_fn(model, target, {"pipeline": pipeline_options})
         trained, parts = pipe, pipe.model_parts
     else:
         assert spec.parallelize_fn is not None  # both specs declare one
@@ -550,7 +548,10 @@ def _moe_section(
                 counts[e] += row[e]
         lines += [f"    {stages}: {counts}" for stages, counts in by_stages.items()]
     lines.append("  tokens per rank (routed to the experts it holds, from its ep group):")
-    of = "of its stage's" if options.pp > 1 else "of"
+    of = "of"
+    if options.pp > 1:
+        of = "of its stages'" if len(_stages_of(options, 0)) > 1 else "of its stage's"
+
     for r, row in enumerate(rows):
         mine_held, mine_full = row[n + 1], row[n + 2]
         lines.append(
