@@ -522,7 +522,10 @@ def _moe_section(
     group = local_total.to(get_platform().device_for(options.device))
     if dims.ep > 1:  # the ep group lies within one pp rank: the same stages' blocks
         group = collectives.all_reduce(group, dims.get_mesh("ep"), "ep", "sum")
-    load = int(group[mine].sum())
+    # with tp > 1 every tp rank routes all its tp group's tokens (sequence parallel, ep
+    # borrowing tp), then sends its 1/tp share of them: each token is counted tp times
+    copies = options.tp
+    load = round(int(group[mine].sum()) / copies)
     expert_params = [
         p
         for part in parts
@@ -533,7 +536,7 @@ def _moe_section(
     full = sum(p.numel() for p in expert_params)  # this rank's stages' experts, all of them
     rows = _gather_ints([*local_total.tolist(), load, held, full], options)
     n = options.experts
-    per_expert = [sum(row[e] for row in rows) for e in range(n)]
+    per_expert = [sum(row[e] for row in rows) // copies for e in range(n)]
     staged = f"; pp={options.pp}: each rank routes its stage's blocks" if options.pp > 1 else ""
     lines = [
         f"experts (qwen3-moe, {n} per block, top-{min(2, n)}; ep={options.ep}: "
@@ -546,12 +549,13 @@ def _moe_section(
             counts = by_stages.setdefault(_stage_label(options, r).strip(" ()"), [0] * n)
             for e in range(n):
                 counts[e] += row[e]
-        lines += [f"    {stages}: {counts}" for stages, counts in by_stages.items()]
+        lines += [
+            f"    {stages}: {[c // copies for c in counts]}" for stages, counts in by_stages.items()
+        ]
     lines.append("  tokens per rank (routed to the experts it holds, from its ep group):")
     of = "of"
     if options.pp > 1:
         of = "of its stages'" if len(_stages_of(options, 0)) > 1 else "of its stage's"
-
     for r, row in enumerate(rows):
         mine_held, mine_full = row[n + 1], row[n + 2]
         lines.append(
