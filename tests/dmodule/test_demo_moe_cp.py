@@ -1,4 +1,5 @@
-"""The demo's ParallelDims layouts end to end: qwen3-moe under ep, llama-ref under cp (2 ranks)."""
+"""The demo's ParallelDims layouts end to end: qwen3-moe under ep, llama-ref under cp (2 ranks;
+with pp, 4)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from tests.dmodule.test_demo import TINY, _demo
 STEPS, BATCH, SEQ = 2, 8, 8
 
 
-def _run(tmp_path: Path, *args: str) -> str:
+def _run(tmp_path: Path, *args: str, model: list[str] = TINY) -> str:
     plot = tmp_path / "curve.png"
     common = ["--steps", str(STEPS), "--batch-size", str(BATCH), "--seq-len", str(SEQ)]
-    done = _demo([*args, *common, "--plot", str(plot), *TINY])
+    done = _demo([*args, *common, "--plot", str(plot), *model])
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS" in done.stdout and plot.exists()
     steps = re.findall(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.e+-]+$", done.stdout, re.MULTILINE)
@@ -35,6 +36,35 @@ def test_demo_qwen3_moe_ep2_passes_parity_and_reports_the_experts_load(tmp_path:
     assert [int(r[1]) for r in ranks] == [counts[0] + counts[1], counts[2] + counts[3]]
     assert all(2 * int(r[2]) == int(r[3]) for r in ranks)  # half the expert weights each
     assert re.search(r"collectives over 'ep'.*\n\s+all_to_all\s+x\d+", out)
+
+
+def test_demo_llama_pp2_cp2_ring_packed_passes_parity_and_reports_each_stage(
+    tmp_path: Path,
+) -> None:
+    two_blocks = [arg for arg in TINY if not arg.startswith("--model.n_layers")]
+    out = _run(
+        tmp_path,
+        *("--pp", "2", "--cp", "2", "--tp", "1", "--cp-attention", "ring", "--packed"),
+        model=[*two_blocks, "--model.n_layers=2"],
+    )
+    assert "cp=2 (ring) packed documents pp=2 (1F1B) on 4 cpu processes" in out
+    one = re.search(r"one process: ([\d.]+) KiB", out)
+    assert one is not None, out
+    blocks = re.findall(r"rank (\d) \(stage (\d), block (\d)\): +([\d.]+) KiB", out)
+    # pp is the outer axis: ranks 0, 1 run block 0 (stage 0), ranks 2, 3 block 1 (stage 1)
+    assert [b[:3] for b in blocks] == [
+        ("0", "0", "0"),
+        ("1", "0", "0"),
+        ("2", "1", "1"),
+        ("3", "1", "1"),
+    ]
+    # a block runs on one microbatch (of 2) of its cp rank's half of the sequence
+    assert all(4 * float(b[3]) == float(one.group(1)) for b in blocks)
+    assert re.search(
+        r"collectives over 'cp'[^\n]*stage 0's[^\n]*\n(\s+\w+\s+x\d+[^\n]*\n)*"
+        r"\s+send_recv",
+        out,
+    )
 
 
 def test_demo_llama_cp2_ring_packed_passes_parity_and_halves_activations(tmp_path: Path) -> None:

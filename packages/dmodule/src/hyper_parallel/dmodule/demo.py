@@ -437,10 +437,10 @@ def train_rank(options: Options) -> RankReport | None:
 
         >>> run_distributed(train_rank, 2, args=(parse_args([]),))  # doctest: +SKIP
     """
+    if uses_layouts(options):  # with or without --pp: the ParallelDims path
+        return train_layout_rank(options)
     if options.pp > 1:
         return train_pipelined(options)
-    if uses_layouts(options):
-        return train_layout_rank(options)
     platform = get_platform()
     rank = platform.get_rank()
     device = platform.device_for(options.device)
@@ -721,6 +721,7 @@ def write_plot(
     title = "llama-ref: tensor parallel vs single process"
     if uses_layouts(options):  # demo_layouts' runs: name the model and the layout
         layout = f"ep={options.ep}" if options.ep > 1 else f"cp={options.cp}"
+        layout += f" pp={options.pp}" if options.pp > 1 else ""
         title = f"{options.model_name} ({layout}): parallel vs single process"
     axes.set_title(title)
     axes.legend()

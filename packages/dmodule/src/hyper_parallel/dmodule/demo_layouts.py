@@ -1,10 +1,12 @@
 """The demo's ParallelDims layouts: ``qwen3-moe`` expert parallelism, ``llama-ref`` context parallelism.
 
 ``python -m hyper_parallel.dmodule.demo --model qwen3-moe --ep 2`` or ``--cp 2`` picks
-these; every rank builds its meshes from one :class:`ParallelDims`, trains with the
-shared ``train_step``, and reports what the layout does (the experts' load and
-all-to-alls; a block's activation bytes per rank and the cp collectives). Parity is the
-demo's: every step's loss against one process on the same seed and data.
+these; every rank builds its meshes from one :class:`ParallelDims`, parallelizes the model
+with its spec's ``parallelize_fn`` (with ``--pp``: cuts it into stages with the spec's
+``pipelining_fn``), trains with the shared ``train_step``, and reports what the layout does
+(the experts' load and all-to-alls; a block's activation bytes per rank and the cp
+collectives; with ``--pp`` each rank's numbers are its stage's). Parity is the demo's:
+every step's loss against one process on the same seed and data.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import torch
 
 from hyper_parallel.dmodule.context_parallel import CP_ALGORITHMS
 from hyper_parallel.dmodule.layers.moe import MoE
+from hyper_parallel.dmodule.model_spec import ModelSpec, get_spec
 from hyper_parallel.dmodule.models.llama import Llama
-from hyper_parallel.dmodule.models.llama_sharding import parallelize_llama
 from hyper_parallel.dmodule.models.qwen3 import Qwen3
-from hyper_parallel.dmodule.models.qwen3_sharding import parallelize_qwen3
 from hyper_parallel.dmodule.models.training import synthetic_batch, train_step
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
+from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
 from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives, init_device_mesh
 from hyper_parallel.platform import get_platform
 
@@ -142,7 +144,6 @@ def layout_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
     unsupported = [
         flag
         for flag, on in (
-            ("--pp", args.pp > 1),
             ("--dp", args.dp > 1),
             ("--dp-replicate", args.dp_replicate > 1),
             ("--checkpoint-dir", args.checkpoint_dir is not None),
@@ -153,7 +154,7 @@ def layout_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
     if unsupported:
         problems.append(
             f"{', '.join(unsupported)} do not compose with --model qwen3-moe, --cp or --packed "
-            "yet (--tp and --dp-shard do)"
+            "yet (--tp, --dp-shard and --pp do)"
         )
     if args.seq_len % (2 * args.cp):
         problems.append(
@@ -167,16 +168,19 @@ def layout_problems(args: argparse.Namespace, model: Llama.Config) -> list[str]:
                 f"--cp-attention alltoall needs the key/value heads per tp rank (--model."
                 f"n_kv_heads {n_kv} / --tp {args.tp}) to divide by --cp {args.cp}"
             )
-    world = args.dp_shard * args.cp * args.tp
+    world = args.pp * args.dp_shard * args.cp * args.tp
     try:
-        ParallelDims(dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep, world_size=world)
+        ParallelDims(
+            dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, pp=args.pp, ep=args.ep, world_size=world
+        )
     except ValueError as error:
-        problems.append(f"--dp-shard/--cp/--tp/--ep: {error}")
+        problems.append(f"--dp-shard/--cp/--tp/--pp/--ep: {error}")
     return problems
 
 
 def parallel_dims(options: Options) -> ParallelDims:
-    """The run's degrees (``tp`` x ``cp`` x ``dp_shard`` ranks; ``ep`` borrowed from them).
+    """The run's degrees (``pp`` x ``dp_shard`` x ``cp`` x ``tp`` ranks; ``ep`` borrowed from
+    ``dp_shard`` x ``cp`` x ``tp`` within each ``pp`` rank).
 
     Example::
 
@@ -187,9 +191,15 @@ def parallel_dims(options: Options) -> ParallelDims:
         dp_shard=options.dp_shard,
         cp=options.cp,
         tp=options.tp,
+        pp=options.pp,
         ep=options.ep,
-        world_size=options.dp_shard * options.cp * options.tp,
+        world_size=options.world,
     )
+
+
+def _spec(options: Options) -> ModelSpec:
+    """The registered spec whose ``parallelize_fn`` / ``pipelining_fn`` the run uses."""
+    return get_spec("qwen3-ref" if options.model_name == "qwen3-moe" else "llama-ref")
 
 
 def _qwen3_config(options: Options) -> Qwen3.Config:
@@ -277,6 +287,9 @@ def train_layout_reference(options: Options) -> list[float]:
 def train_layout_rank(options: Options) -> RankReport | None:
     """One rank of a ``--model qwen3-moe`` / ``--cp`` / ``--packed`` run; rank 0 reports.
 
+    With ``--pp`` the model is cut by its spec's ``pipelining_fn`` and this rank trains
+    its stages (each parallelized over the other axes) through the same ``train_step``.
+
     Example::
 
         >>> run_distributed(train_layout_rank, 2, args=(parse_args(["--cp", "2"]),))  # doctest: +SKIP
@@ -284,6 +297,7 @@ def train_layout_rank(options: Options) -> RankReport | None:
     from hyper_parallel.dmodule.demo import (
         RankReport,
         _print_step,
+        _stages_per_rank,
         count_collectives,
         sharding_plan,
     )
@@ -295,25 +309,45 @@ def train_layout_rank(options: Options) -> RankReport | None:
     dims.build_mesh(options.device)
     with torch.device("meta"):
         model = _build(options)
-    if isinstance(model, Qwen3):
-        parallelize_qwen3(model, dims)
+    spec = _spec(options)
+    trained: torch.nn.Module | Pipeline = model
+    parts: list[torch.nn.Module] = [model]
+    if options.pp > 1:
+        assert spec.pipelining_fn is not None  # both specs declare one
+        pipeline_options = {
+            "schedule": options.schedule,
+            "n_microbatches": options.microbatches,
+            "stages_per_rank": _stages_per_rank(options.schedule),
+        }
+        # llama-ref's stages get the dims' world mesh: given the dims themselves, pipeline()
+        # rebuilds the activations between stages on their tp view even where tp and its
+        # view have size 1, while cp's stages (tp=1) hold plain tensors: a stage's first
+        # forward then mixes the two (pipeline(llama, ParallelDims(pp=2, cp=2)) fails so)
+        target = dims if isinstance(model, Qwen3) else dims.world_mesh
+        pipe: Pipeline = spec.pipelining_fn(model, target, {"pipeline": pipeline_options})
+        trained, parts = pipe, pipe.model_parts
     else:
-        parallelize_llama(model, dims)
-    model.to_empty(device=device)
+        assert spec.parallelize_fn is not None  # both specs declare one
+        spec.parallelize_fn(model, dims, None)
+        model.to_empty(device=device)
     torch.manual_seed(options.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # as in the demo's train_rank
-        model.init_weights(buffer_device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, foreach=False)
+        trained.init_weights(buffer_device=device)  # type: ignore[operator]
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=options.lr, foreach=False)
     batch_mesh = dims.batch_mesh
     dp_rank, dp_size = batch_mesh.get_local_rank("batch"), batch_mesh.size()
     rows = slice(
         dp_rank * options.batch_size // dp_size, (dp_rank + 1) * options.batch_size // dp_size
     )
-    routed = _count_routed_tokens(model)
-    block_bytes = _first_block_output_bytes(model)
+    microbatches = options.microbatches if options.pp > 1 else 1
+    routed = _RoutedTokens(parts, microbatches)
+    # a pipeline's first step also runs torch's metadata inference: count a later one
+    counted = 2 if options.pp > 1 and options.steps > 1 else 1
+    block_bytes = _first_block_output_bytes(parts[0])
     layout_axis = "ep" if isinstance(model, Qwen3) else "cp"
-    axis_counts: dict[str, list[int]] = {}  # kind -> [count, bytes] on layout_axis, step 1
+    axis_counts: dict[str, list[int]] = {}  # kind -> [count, bytes] on layout_axis, one step
     losses: list[float] = []
     seconds: list[float] = []
     counts: Counter[str] = Counter()
@@ -324,20 +358,27 @@ def train_layout_rank(options: Options) -> RankReport | None:
         batch = tuple(t[rows].to(device) for t in _batch(options, step))
         step_counts: Counter[str] = Counter()
         with (
-            count_collectives(step_counts, nbytes if step == 1 else Counter()),
-            collectives.observe_collectives(_on_axis(layout_axis, axis_counts, step == 1)),
+            count_collectives(step_counts, nbytes if step == counted else Counter()),
+            collectives.observe_collectives(_on_axis(layout_axis, axis_counts, step == counted)),
         ):
+            # with --pp: the last stage's loss, broadcast over pp, then averaged over batch
             result = train_step(
-                model, [batch], optimizer, loss_mesh=batch_mesh, loss_axes=("batch",)
+                trained,
+                [batch],
+                optimizer,
+                loss_mesh=batch_mesh,
+                loss_axes=("batch",),
+                pp_mesh=dims.world_mesh if options.pp > 1 else None,
             )
+        routed.end_step()
         seconds.append(time.perf_counter() - start)
         losses.append(result.loss)
-        if step == 1:
+        if step == counted:
             counts = step_counts
         if rank == 0:
             _print_step(step, options.steps, losses[-1], seconds[-1])
     sections = (
-        _moe_section(options, dims, model, routed, axis_counts)
+        _moe_section(options, dims, parts, routed, axis_counts)
         if isinstance(model, Qwen3)
         else _cp_section(options, block_bytes, axis_counts)
     )
@@ -345,7 +386,7 @@ def train_layout_rank(options: Options) -> RankReport | None:
         return None
     return RankReport(
         losses,
-        sharding_plan(model),
+        [row for part in parts for row in sharding_plan(part)],
         {k: (counts[k], nbytes[k]) for k in counts},
         seconds,
         sections=sections,
@@ -374,43 +415,88 @@ def _axis_lines(seen: dict[str, list[int]]) -> list[str]:
     return lines or ["    none"]
 
 
-def _count_routed_tokens(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Per MoE block, a tensor that its router's hook adds this rank's tokens per expert to."""
-    totals: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, MoE):
-            total = torch.zeros(module.config.num_experts, dtype=torch.long)
-            totals.append(total)
-            module.router.register_forward_hook(_add_counts(total))
-    return totals
+class _RoutedTokens:
+    """This rank's tokens per expert, summed over its MoE blocks, counted step by step.
+
+    A router runs once per microbatch of a step; on a pipeline's first step torch's
+    metadata inference runs each stage once more first, on stand-in inputs. So only a
+    step's last ``microbatches`` runs of each router count.
+    """
+
+    def __init__(self, parts: list[torch.nn.Module], microbatches: int) -> None:
+        self.microbatches = microbatches
+        self.runs: list[list[torch.Tensor]] = []  # per router: this step's bincounts
+        self.total: torch.Tensor | None = None
+        for module in (m for part in parts for m in part.modules()):
+            if isinstance(module, MoE):
+                runs: list[torch.Tensor] = []
+                self.runs.append(runs)
+                module.router.register_forward_hook(_add_counts(runs, module.config.num_experts))
+
+    def end_step(self) -> None:
+        """Add this step's counted runs to :attr:`total`."""
+        for runs in self.runs:
+            for counts in runs[-self.microbatches :]:
+                self.total = counts if self.total is None else self.total + counts
+            runs.clear()
 
 
-def _add_counts(total: torch.Tensor) -> Callable[..., None]:
+def _add_counts(runs: list[torch.Tensor], num_experts: int) -> Callable[..., None]:
     def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> None:
         experts = output[1]  # (weights, experts, probs): each token's top-k expert indices
         local = experts.to_local() if isinstance(experts, DTensor) else experts
-        total.add_(torch.bincount(local.reshape(-1).cpu(), minlength=total.numel()))
+        runs.append(torch.bincount(local.reshape(-1).cpu(), minlength=num_experts))
 
     return hook
 
 
-def _first_block_output_bytes(model: Llama | Qwen3) -> list[int]:
-    """A one-item list that the first block's forward sets to its output's local bytes."""
-    seen = [0]
+def _first_block_output_bytes(part: torch.nn.Module) -> list[int]:
+    """``[bytes, index]``: the first block of ``part`` (a model or a stage) and its index; its
+    forward sets the bytes to its output's local bytes (the last microbatch's, with ``--pp``)."""
+    layers = part.layers
+    assert isinstance(layers, torch.nn.Module)
+    name, block = next(iter(layers.named_children()))  # a stage's blocks keep their indices
+    seen = [0, int(name)]
 
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
         local = output.to_local() if isinstance(output, DTensor) else output
         seen[0] = local.numel() * local.element_size()
 
-    model.layers[0].register_forward_hook(hook)
+    block.register_forward_hook(hook)
     return seen
+
+
+def _stages_of(options: Options, rank: int) -> list[int]:
+    """The pipeline stages ``rank`` holds (``pp`` is the world mesh's outermost axis)."""
+    if options.pp == 1:
+        return [0]
+    from hyper_parallel.dmodule.demo import _stages_per_rank
+
+    pp_rank = rank // (options.world // options.pp)
+    stages = options.pp * _stages_per_rank(options.schedule)
+    return [s for s in range(stages) if stage_owner(s, options.pp, options.schedule) == pp_rank]
+
+
+def _stage_label(options: Options, rank: int) -> str:
+    """`` (stage 1)`` with ``--pp`` (`` (stages 0, 3)`` for two per rank); empty without."""
+    if options.pp == 1:
+        return ""
+    stages = _stages_of(options, rank)
+    return f" (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})"
+
+
+def _pipeline_note(options: Options) -> str:
+    """Which stage and step rank 0's collectives are from, with ``--pp``."""
+    if options.pp == 1:
+        return ""
+    step = "step 2 (step 1 adds torch's metadata inference)" if options.steps > 1 else "step 1"
+    return f", {_stage_label(options, 0).strip(' ()')}'s blocks, {step}"
 
 
 def _gather_ints(values: list[int], options: Options) -> list[list[int]]:
     """Every rank's ``values``, in rank order (one all-gather over all ranks)."""
-    world = options.dp_shard * options.cp * options.tp
     device = get_platform().device_for(options.device)
-    everyone = init_device_mesh(options.device, (world,))
+    everyone = init_device_mesh(options.device, (options.world,))
     mine = torch.tensor(values, dtype=torch.long, device=device)
     return [[int(v) for v in row] for row in collectives.all_gather(mine, everyone, 0).tolist()]
 
@@ -418,59 +504,104 @@ def _gather_ints(values: list[int], options: Options) -> list[list[int]]:
 def _moe_section(
     options: Options,
     dims: ParallelDims,
-    model: Qwen3,
-    routed: list[torch.Tensor],
+    parts: list[torch.nn.Module],
+    routed: _RoutedTokens,
     on_ep: dict[str, list[int]],
 ) -> list[str]:
-    """Tokens per expert and per rank, each rank's share of the expert weights, all-to-alls."""
+    """Tokens per expert and per rank, each rank's share of the expert weights, all-to-alls.
+
+    With ``--pp`` a rank routes and holds only its stages' MoE blocks: the tokens per
+    expert are also shown per stage, and a rank's expert weights against its stages'.
+    """
     experts_per_rank = options.experts // options.ep
     ep_rank = dims.get_mesh("ep").get_local_rank("ep") if dims.ep > 1 else 0
     mine = slice(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
-    local_total = torch.stack(routed).sum(0)  # this rank's tokens, every block
+    local_total = routed.total  # this rank's tokens, every block it holds
+    assert local_total is not None  # every stage of qwen3-moe has MoE blocks
     # the tokens this rank's experts computed: its ep group's tokens routed to them
     group = local_total.to(get_platform().device_for(options.device))
-    if dims.ep > 1:
+    if dims.ep > 1:  # the ep group lies within one pp rank: the same stages' blocks
         group = collectives.all_reduce(group, dims.get_mesh("ep"), "ep", "sum")
-    load = int(group[mine].sum())
+    # with tp > 1 every tp rank routes all its tp group's tokens (sequence parallel, ep
+    # borrowing tp), then sends its 1/tp share of them: each token is counted tp times
+    copies = options.tp
+    load = round(int(group[mine].sum()) / copies)
     expert_params = [
-        p for name, p in model.named_parameters() if ".feed_forward.experts." in f".{name}"
+        p
+        for part in parts
+        for name, p in part.named_parameters()
+        if ".feed_forward.experts." in f".{name}"
     ]
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in expert_params)
-    full = sum(p.numel() for p in expert_params)
-    rows = _gather_ints([*local_total.tolist(), load, held], options)
-    per_expert = [sum(row[e] for row in rows) for e in range(options.experts)]
+    full = sum(p.numel() for p in expert_params)  # this rank's stages' experts, all of them
+    rows = _gather_ints([*local_total.tolist(), load, held, full], options)
+    n = options.experts
+    per_expert = [sum(row[e] for row in rows) // copies for e in range(n)]
+    staged = f"; pp={options.pp}: each rank routes its stage's blocks" if options.pp > 1 else ""
     lines = [
-        f"experts (qwen3-moe, {options.experts} per block, top-{min(2, options.experts)}; "
-        f"ep={options.ep}: {experts_per_rank} per rank; tp={options.tp} dp_shard="
-        f"{options.dp_shard}):",
+        f"experts (qwen3-moe, {n} per block, top-{min(2, n)}; ep={options.ep}: "
+        f"{experts_per_rank} per rank; tp={options.tp} dp_shard={options.dp_shard}{staged}):",
         f"  tokens per expert (all {options.steps} steps, all blocks, all ranks): {per_expert}",
-        "  tokens per rank (routed to the experts it holds, from its ep group):",
     ]
+    if options.pp > 1:
+        by_stages: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            counts = by_stages.setdefault(_stage_label(options, r).strip(" ()"), [0] * n)
+            for e in range(n):
+                counts[e] += row[e]
+        lines += [
+            f"    {stages}: {[c // copies for c in counts]}" for stages, counts in by_stages.items()
+        ]
+    lines.append("  tokens per rank (routed to the experts it holds, from its ep group):")
+    of = "of"
+    if options.pp > 1:
+        of = "of its stages'" if len(_stages_of(options, 0)) > 1 else "of its stage's"
     for r, row in enumerate(rows):
+        mine_held, mine_full = row[n + 1], row[n + 2]
         lines.append(
-            f"    rank {r}: {row[options.experts]:6d} tokens   expert weights {row[-1]:7d} of "
-            f"{full} ({row[-1] / max(full, 1):.3f}; ep={dims.ep} efsdp={dims.efsdp})"
+            f"    rank {r}{_stage_label(options, r)}: {row[n]:6d} tokens   expert weights "
+            f"{mine_held:7d} {of} {mine_full} ({mine_held / max(mine_full, 1):.3f}; "
+            f"ep={dims.ep} efsdp={dims.efsdp})"
         )
-    lines.append("  collectives over 'ep' per training step (rank 0; dispatch, combine, backward):")
+    lines.append(
+        "  collectives over 'ep' per training step (rank 0"
+        + _pipeline_note(options)
+        + "; dispatch, combine, backward):"
+    )
     return lines + _axis_lines(on_ep)
 
 
 def _cp_section(options: Options, block_bytes: list[int], on_cp: dict[str, list[int]]) -> list[str]:
-    """One block's activation bytes per rank, against one process's; the cp collectives."""
+    """One block's activation bytes per rank, against one process's; the cp collectives.
+
+    With ``--pp`` each rank shows its stage's first block, run on one microbatch at a time.
+    """
     cfg = options.model
     one_process = options.batch_size * options.seq_len * cfg.dim * 4  # float32 [b, s, dim]
     rows = _gather_ints(block_bytes, options)
+    microbatches = options.microbatches if options.pp > 1 else 1
     split = options.dp_shard * options.cp * (options.tp if cfg.sequence_parallel else 1)
+    factors = "dp_shard x cp" + (" x tp" if cfg.sequence_parallel else "")
+    if microbatches > 1:
+        split, factors = split * microbatches, factors + " x microbatches"
+    per = "per rank" + (", its stage's first block, one microbatch" if options.pp > 1 else "")
     lines = [
         f"context parallelism (cp={options.cp}, {options.cp_attention} attention"
         + (", packed documents" if options.packed else "")
-        + f"; tp={options.tp} dp_shard={options.dp_shard}):",
-        f"  one block's output activations per rank (one process: {one_process / 1024:.1f} KiB):",
+        + f"; tp={options.tp} dp_shard={options.dp_shard}"
+        + (f" pp={options.pp}, {microbatches} microbatches" if options.pp > 1 else "")
+        + "):",
+        f"  one block's output activations {per} (one process: {one_process / 1024:.1f} KiB):",
     ]
-    for r, (size,) in enumerate(rows):
+    for r, (size, block) in enumerate(rows):
+        where = f"{_stage_label(options, r)[:-1]}, block {block})" if options.pp > 1 else ""
         lines.append(
-            f"    rank {r}: {size / 1024:8.1f} KiB  ({size / one_process:.3f} of one process; "
-            f"1 / (dp_shard x cp{' x tp' if cfg.sequence_parallel else ''}) = {1 / split:.3f})"
+            f"    rank {r}{where}: {size / 1024:8.1f} KiB  ({size / one_process:.3f} of one "
+            f"process; 1 / ({factors}) = {1 / split:.3f})"
         )
-    lines.append(f"  collectives over 'cp' per training step (rank 0; {options.cp_attention}):")
+    lines.append(
+        "  collectives over 'cp' per training step (rank 0"
+        + _pipeline_note(options)
+        + f"; {options.cp_attention}):"
+    )
     return lines + _axis_lines(on_cp)
