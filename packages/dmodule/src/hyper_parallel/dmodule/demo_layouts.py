@@ -319,12 +319,7 @@ def train_layout_rank(options: Options) -> RankReport | None:
             "n_microbatches": options.microbatches,
             "stages_per_rank": _stages_per_rank(options.schedule),
         }
-        # llama-ref's stages get the dims' world mesh: given the dims themselves, pipeline()
-        # rebuilds the activations between stages on their tp view even where tp and its
-        # view have size 1, while cp's stages (tp=1) hold plain tensors: a stage's first
-        # forward then mixes the two (pipeline(llama, ParallelDims(pp=2, cp=2)) fails so)
-        target = dims if isinstance(model, Qwen3) else dims.world_mesh
-        pipe: Pipeline = spec.pipelining_fn(model, target, {"pipeline": pipeline_options})
+        pipe: Pipeline = spec.pipelining_fn(model, dims, {"pipeline": pipeline_options})
         trained, parts = pipe, pipe.model_parts
     else:
         assert spec.parallelize_fn is not None  # both specs declare one
