@@ -25,7 +25,7 @@ from hyper_parallel.dmodule.models.training import train_step
 from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives
 from hyper_parallel.train.config import JobConfig, batch_layout
 from hyper_parallel.train.tokenizer import build_tokenizer
-from hyper_parallel.train.trainer import build_model_config, parallel_dims
+from hyper_parallel.train.trainer import build_model_config, model_job_config, parallel_dims
 
 __all__ = ["RankMemory", "dry_run", "format_report"]
 
@@ -94,16 +94,10 @@ def _plan_rank(job: JobConfig, model_config: Any, world: int) -> tuple[list[torc
         model = model_config.build()
     if job.parallelism.pp > 1:
         assert spec.pipelining_fn is not None
-        options = {
-            "schedule": job.parallelism.pipeline_schedule,
-            "n_microbatches": job.parallelism.pipeline_microbatches or job.parallelism.pp,
-        }
-        pipe = spec.pipelining_fn(model, dims, {"pipeline": options})
+        pipe = spec.pipelining_fn(model, dims, model_job_config(job))
         return list(pipe.model_parts), pipe
     if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
-        model = spec.parallelize_fn(
-            model, dims, {"activation_checkpoint": job.parallelism.activation_checkpoint}
-        )
+        model = spec.parallelize_fn(model, dims, model_job_config(job))
     return [model], model
 
 

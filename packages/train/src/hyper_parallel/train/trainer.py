@@ -217,20 +217,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def _check_precision(job: JobConfig) -> None:
     """Mixed precision runs where TorchTitan runs it: FSDP's ``MixedPrecisionPolicy`` (any
-    ``dp_shard x cp > 1`` layout but ``pp``), else autocast on one process or plain replicas."""
+    ``dp_shard x cp > 1`` layout, pipelines too), else autocast on one process or plain
+    replicas."""
     training, par = job.training, job.parallelism
     if training.param_dtype == training.reduce_dtype == "float32":
         return
     fsdp = par.dp_shard * par.cp > 1
-    if par.pp > 1:  # the pipeline's stages are fully sharded without the policy
+    if par.pp > 1 and not fsdp:  # the stages' forward runs in the schedule: no autocast there
         name, found = (
             ("param_dtype", training.param_dtype)
             if training.param_dtype != "float32"
             else ("reduce_dtype", training.reduce_dtype)
         )
         raise ConfigError(
-            f"expected float32 with pp = {par.pp}: the pipeline's stages take no "
-            f"MixedPrecisionPolicy yet, found {found!r}",
+            f"expected float32 with pp = {par.pp} and no FSDP (dp_shard x cp = 1): a "
+            f"pipeline's stages run mixed precision through FSDP's MixedPrecisionPolicy, "
+            f"found {found!r}",
             path=f"training.{name}",
         )
     if fsdp:
@@ -248,6 +250,30 @@ def _check_precision(job: JobConfig) -> None:
             f"plain replicas (dp_replicate), found {training.param_dtype!r}",
             path="training.param_dtype",
         )
+
+
+def model_job_config(job: JobConfig) -> dict[str, object]:
+    """The ``job_config`` a spec's ``parallelize_fn`` / ``pipelining_fn`` gets from the job.
+
+    TorchTitan's activation checkpointing and FSDP policy, and with ``pp > 1`` the
+    pipeline's schedule and microbatches (a pipeline hands the rest to each stage's
+    ``parallelize_fn``).
+
+    Example::
+
+        >>> model_job_config(JobConfig())["activation_checkpoint"]
+        'none'
+    """
+    options: dict[str, object] = {
+        "activation_checkpoint": job.parallelism.activation_checkpoint,
+        "mp_policy": mixed_precision_policy(job),
+    }
+    if job.parallelism.pp > 1:
+        options["pipeline"] = {
+            "schedule": job.parallelism.pipeline_schedule,
+            "n_microbatches": job.parallelism.pipeline_microbatches or job.parallelism.pp,
+        }
+    return options
 
 
 def mixed_precision_policy(job: JobConfig) -> MixedPrecisionPolicy | None:
@@ -465,11 +491,7 @@ def train(
             raise ConfigError(
                 f"model {job.model.name!r} has no pipelining_fn", path="parallelism.pp"
             )
-        pipeline_options = {
-            "schedule": job.parallelism.pipeline_schedule,
-            "n_microbatches": job.parallelism.pipeline_microbatches or job.parallelism.pp,
-        }
-        pipe = spec.pipelining_fn(model, dims, {"pipeline": pipeline_options})
+        pipe = spec.pipelining_fn(model, dims, model_job_config(job))
         assert pipe is not None
         torch.manual_seed(job.training.seed)
         with warnings.catch_warnings():
@@ -477,14 +499,9 @@ def train(
             pipe.init_weights(buffer_device=device)
         parts = list(pipe.model_parts)
     else:
-        # the parallelize_fn's job_config: TorchTitan's activation checkpointing and FSDP policy
-        model_options: dict[str, object] = {
-            "activation_checkpoint": job.parallelism.activation_checkpoint,
-            "mp_policy": mixed_precision_policy(job),
-        }
         # with neither tp nor fsdp the model stays a plain module (replicas average below)
         if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
-            model = spec.parallelize_fn(model, dims, model_options)
+            model = spec.parallelize_fn(model, dims, model_job_config(job))
         model.to_empty(device=device)
         torch.manual_seed(job.training.seed)
         with warnings.catch_warnings():

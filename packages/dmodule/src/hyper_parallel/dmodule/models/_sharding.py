@@ -168,7 +168,8 @@ def pipeline_with_loss(
 
     ``job_config["pipeline"]`` (a mapping) may give ``schedule``, ``n_microbatches``
     (default: the ``pp`` size), ``stages_per_rank`` and ``split``; another key is refused,
-    named, before anything is built.
+    named, before anything is built. The other keys of ``job_config`` reach each stage's
+    ``parallelize_fn`` (``activation_checkpoint``, ``mp_policy``).
 
     Example::
 
@@ -185,4 +186,10 @@ def pipeline_with_loss(
         )
     pp = mesh.pp if isinstance(mesh, ParallelDims) else mesh.size(axis_name(MeshAxisName.PP))
     options.setdefault("n_microbatches", pp)
-    return pipeline(model, mesh, loss_fn=cross_entropy, **options)
+    # the rest of job_config is each stage's parallelize_fn's (activation_checkpoint, mp_policy)
+    rest = (
+        {k: v for k, v in job_config.items() if k != "pipeline"}
+        if isinstance(job_config, Mapping)
+        else None
+    )
+    return pipeline(model, mesh, loss_fn=cross_entropy, parallelize_options=rest, **options)

@@ -469,6 +469,7 @@ def pipeline(
     loss_fn: LossFn,
     stages_per_rank: int = 1,
     split: Sequence[int] | None = None,
+    parallelize_options: object = None,
 ) -> Pipeline:
     """Cut ``model`` into stages over mesh axis ``pp``; build and parallelize this rank's.
 
@@ -483,7 +484,9 @@ def pipeline(
     is built. ``loss_fn(output, target)`` gets the last stage's output as the model
     returns it (a DTensor once parallelized) and must return the mean loss. With a
     :class:`ParallelDims`, its world mesh gives ``pp`` and each stage is parallelized
-    over the ``ParallelDims`` itself (a view per state).
+    over the ``ParallelDims`` itself (a view per state). ``parallelize_options`` is the
+    ``job_config`` each stage's ``parallelize_fn`` gets (e.g. ``activation_checkpoint``,
+    ``mp_policy``), as the whole model's would without pipelining.
 
     Example::
 
@@ -567,7 +570,7 @@ def pipeline(
         part = build_stage(model, cut, plans[index])
         if stage_mesh is not None:  # the same call as for the whole model without pipelining
             if parallelize_fn is not None:
-                part = parallelize_fn(part, stage_mesh, None) or part
+                part = parallelize_fn(part, stage_mesh, parallelize_options) or part
             else:
                 part.parallelize(stage_mesh)  # type: ignore[operator]
         on_view = dims_layout is not None and _holds_dtensors_on(part, dims_layout.mesh)
