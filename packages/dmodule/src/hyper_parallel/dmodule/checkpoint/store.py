@@ -130,6 +130,26 @@ class PendingSave:
         return self.path
 
 
+#: The background saves' own gloo group and the default group it was made from (TorchTitan's
+#: async checkpointing does the same): created on the first asynchronous save of a world,
+#: which every rank calls.
+_save_group_of: list[tuple[torch.distributed.ProcessGroup, torch.distributed.ProcessGroup]] = []
+
+
+def _save_group() -> torch.distributed.ProcessGroup | None:
+    if not torch.distributed.is_initialized():
+        return None
+    world = torch.distributed.group.WORLD
+    for made_from, group in _save_group_of:
+        if made_from is world:
+            return group
+    created = torch.distributed.new_group(backend="gloo")
+    # every rank is in the new group: neither None nor torch's non-member marker
+    assert isinstance(created, torch.distributed.ProcessGroup) and world is not None
+    _save_group_of[:] = [(world, created)]  # an earlier (destroyed) world's group is of no use
+    return created
+
+
 def save(
     state: dict[str, Any],
     directory: str | os.PathLike[str],
@@ -157,7 +177,9 @@ def save(
         partial.mkdir(parents=True)
     agree(False, device_type)  # no rank writes before the stale partial directory is gone
     if async_save:
-        future = dcp_async_save(state, checkpoint_id=str(partial))
+        # dcp writes in a thread whose collectives must not interleave with the training's
+        # on the same group (gloo deadlocks on two threads' collectives): a group of its own
+        future = dcp_async_save(state, checkpoint_id=str(partial), process_group=_save_group())
         return PendingSave(future, partial, final, device_type)  # type: ignore[arg-type]
     dcp_save(state, checkpoint_id=str(partial))
     _commit(partial, final, device_type)
