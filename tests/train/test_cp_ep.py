@@ -102,12 +102,18 @@ FOUR_RANK_JOBS = {
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     corpus = str(write_corpus(tmp_path_factory.mktemp("corpus")))
     (one,) = run_on_ranks(_runs, 1, corpus, [], [], timeout_s=240)
+    # one job per process, as hp-train runs them (several layouts' jobs in one process
+    # can hang in clip_grad_norm_'s all-reduce: a known issue, see hp-train's README)
+    cp = run_on_ranks(_runs, 2, corpus, ["parallelism.cp=2"], None, timeout_s=240)[0]
     ep = ["parallelism.dp_shard=2", "parallelism.ep=2"]
-    two = run_on_ranks(_runs, 2, corpus, ["parallelism.cp=2"], ep, timeout_s=240)[0]
-    jobs = [[name, *overrides] for name, (_, overrides) in FOUR_RANK_JOBS.items()]
-    four = run_on_ranks(_runs, 4, corpus, None, None, *jobs, timeout_s=400)[0]
-    assert one is not None and two is not None and four is not None
-    return {"one": one, "two": two, "four": four}
+    moe = run_on_ranks(_runs, 2, corpus, None, ep, timeout_s=240)[0]
+    four: dict[str, Any] = {}
+    for name, (_, overrides) in FOUR_RANK_JOBS.items():
+        ran = run_on_ranks(_runs, 4, corpus, None, None, [name, *overrides], timeout_s=240)[0]
+        assert ran is not None
+        four.update(ran)
+    assert one is not None and cp is not None and moe is not None
+    return {"one": one, "two": {**cp, **moe}, "four": four}
 
 
 def test_context_parallel_llama_trains_as_one_process(
