@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
+import torch
+
+from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.train.config import JobConfig
+from hyper_parallel.train.tokenizer import ByteTokenizer
+from hyper_parallel.train.trainer import build_model_config
 
 #: A model small enough that a 2-rank step takes milliseconds.
 TINY_MODEL = [
@@ -62,3 +68,18 @@ def write_aligned_corpus(directory: Path, seq_len: int = 16, documents: int = 24
 def tiny_job(corpus: Path, *overrides: str) -> JobConfig:
     """The tiny model on ``corpus`` with ``overrides`` on top."""
     return JobConfig().apply_overrides([*TINY_MODEL, f"data.path={corpus}", *overrides])
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def initial_model(job: JobConfig, kind: type[Model]) -> Model:
+    """The job's model (a ``kind``) as the trainer starts it, in one process: the oracles'
+    starting point (built on meta, materialized on the CPU, initialized after ``training.seed``)."""
+    with torch.device("meta"):
+        model = build_model_config(job, ByteTokenizer().vocab_size).build()
+    assert isinstance(model, kind), f"{job.model.name}: expected a {kind.__name__}, found {model!r}"
+    model.to_empty(device="cpu")
+    torch.manual_seed(job.training.seed)
+    model.init_weights(buffer_device=torch.device("cpu"))
+    return model

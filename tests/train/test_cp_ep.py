@@ -9,14 +9,15 @@ from typing import Any
 import pytest
 import torch
 from tests._harness import run_on_ranks
-from tests.train._jobs import tiny_job, write_corpus
+from tests.train._jobs import initial_model, tiny_job, write_corpus
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.layers import moe_aux_loss
+from hyper_parallel.dmodule.models.qwen3 import Qwen3
 from hyper_parallel.train.cli import preflight
 from hyper_parallel.train.data import BatchSampler
 from hyper_parallel.train.tokenizer import ByteTokenizer
-from hyper_parallel.train.trainer import build_model_config, load_samples, train
+from hyper_parallel.train.trainer import load_samples, train
 
 #: qwen3-ref with 4 routed experts; a large balancing coefficient so that the bias moves routing
 TINY_MOE = [
@@ -54,12 +55,7 @@ def _runs(
             Path(corpus), "training.steps=1", *TINY_MOE, "model.config.aux_loss_coeff=0.5"
         )
         runs["aux"] = train(job, log=False)
-        config = build_model_config(job, ByteTokenizer().vocab_size)
-        with torch.device("meta"):
-            model = config.build()
-        model.to_empty(device="cpu")
-        torch.manual_seed(job.training.seed)
-        model.init_weights()
+        model = initial_model(job, Qwen3)
         samples, _ = load_samples(job, ByteTokenizer())
         (batch,) = BatchSampler(
             samples, seed=0, dp_rank=0, dp=1, local_batch=4, accumulation=1

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from tests._harness import run_on_ranks
-from tests.train._jobs import tiny_job, write_corpus
+from tests.train._jobs import initial_model, tiny_job, write_corpus
 
+from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dmodule.models.qwen3 import Qwen3
 from hyper_parallel.dmodule.models.qwen3_sharding import parallelize_qwen3
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
@@ -18,7 +19,7 @@ from hyper_parallel.train.config import JobConfig, batch_layout
 from hyper_parallel.train.data import BatchSampler
 from hyper_parallel.train.lr import lr_at
 from hyper_parallel.train.tokenizer import ByteTokenizer
-from hyper_parallel.train.trainer import build_model_config, load_samples, train
+from hyper_parallel.train.trainer import load_samples, train
 
 STEPS = 3
 #: no weight decay: the oracle's one AdamW group is the trainer's two
@@ -41,11 +42,7 @@ def _one_process_losses(job: JobConfig, compute_dtype: torch.dtype) -> list[floa
     """FSDP's mixed precision by hand: each data-parallel rank's batch through a
     ``compute_dtype`` copy of the float32 weights, the copies' gradients averaged in
     float32 into the weights, clipped, and AdamW on the float32 weights."""
-    with torch.device("meta"):
-        model = build_model_config(job, 257).build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(job.training.seed)
-    model.init_weights(buffer_device=torch.device("cpu"))
+    model = initial_model(job, Llama)
     train_samples, _ = load_samples(job, ByteTokenizer())
     local, accumulation = batch_layout(job)
     samplers = [
@@ -71,7 +68,7 @@ def _one_process_losses(job: JobConfig, compute_dtype: torch.dtype) -> list[floa
             (batch,) = sampler.next_step()
             compute = copy.deepcopy(model).to(compute_dtype)
             loss = compute.loss(batch.tokens, batch.targets, document_ids=batch.document_ids)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             rank_losses.append(float(loss.detach()))
             for total, p in zip(grads, compute.parameters(), strict=True):
                 assert p.grad is not None

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from tests._harness import run_on_ranks
-from tests.train._jobs import tiny_job, write_corpus
+from tests.train._jobs import initial_model, tiny_job, write_corpus
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.checkpoint import CheckpointMismatchError
@@ -218,11 +218,7 @@ def test_bfloat16_runs_the_forward_under_autocast_on_one_process(tmp_path: Path)
     assert summary is not None
     # the oracle: the job's initial model on its first batch, the forward under torch's autocast
     job = tiny_job(corpus, "training.param_dtype=bfloat16")
-    with torch.device("meta"):
-        model = build_model_config(job, 257).build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(job.training.seed)
-    model.init_weights(buffer_device=torch.device("cpu"))
+    model = initial_model(job, Llama)
     train_samples, _ = load_samples(job, ByteTokenizer())
     local, accumulation = batch_layout(job)
     (batch,) = BatchSampler(
