@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,6 +171,9 @@ def test_ctrl_c_saves_the_current_step_once_and_exits_130(runs: dict[str, Any]) 
     assert (runs["root"] / "ckpt" / f"step-{stopped}" / ".metadata").is_file()
     assert f"stopped by a signal after step {stopped}: checkpoint" in runs["ctrl_c_stderr"]
     assert "FAILED" not in runs["ctrl_c_stderr"] and "Traceback" not in runs["ctrl_c_stderr"]
+    # rank 0 printed how long each startup phase took, in one line
+    phases = r"imports [\d.]+ s, mesh [\d.]+ s, build [\d.]+ s, parallelize [\d.]+ s, data [\d.]+ s"
+    assert re.search(rf"\[hp-train\] startup: {phases} \(total [\d.]+ s\)", runs["ctrl_c_stderr"])
 
 
 def test_sigterm_to_the_launcher_alone_saves_and_the_resumed_losses_are_uninterrupted(
@@ -199,6 +203,9 @@ def test_async_checkpoints_resume_to_the_uninterrupted_losses(runs: dict[str, An
     # every asynchronous save was committed by the end of the run
     assert got["committed_after_first"] == ["step-2", "step-4"]
     assert resumed.first_step == 5
+    # a resumed run times its checkpoint load among the startup phases
+    assert list(resumed.startup_seconds) == ["mesh", "build", "parallelize", "data", "checkpoint"]
+    assert "checkpoint" not in first.startup_seconds
     torch.testing.assert_close(
         torch.tensor(first.losses + resumed.losses),
         torch.tensor(full.losses[:6]),

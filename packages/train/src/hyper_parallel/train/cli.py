@@ -250,25 +250,40 @@ def _rank_main(
     job: JobConfig, *, resume: bool, allow_imports: tuple[str, ...], stop_file: str
 ) -> RunSummary | None:
     """One rank under the built-in launcher: the launcher alone answers a terminal's Ctrl-C."""
+    started = time.perf_counter()
+    from hyper_parallel.train.metrics import StartupTimes
     from hyper_parallel.train.trainer import train
 
+    times = StartupTimes()
+    times.seconds["imports"] = time.perf_counter() - started
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return train(job, resume=resume, allow_imports=allow_imports, stop_file=stop_file)
+    return train(
+        job, resume=resume, allow_imports=allow_imports, stop_file=stop_file, startup=times
+    )
 
 
 def _under_torchrun(job: JobConfig, options: dict[str, object]) -> int:
     """This process is one rank of torchrun's world."""
+    started = time.perf_counter()
     import torch
     import torch.distributed as dist
 
     from hyper_parallel.platform import get_platform
+    from hyper_parallel.train.metrics import StartupTimes
     from hyper_parallel.train.trainer import train
 
+    times = StartupTimes()
+    times.seconds["imports"] = time.perf_counter() - started
     if job.training.device == "cpu":
         torch.set_num_threads(1)
     get_platform().init_process_group(job.training.device, timeout_s=job.training.timeout)
     try:
-        train(job, resume=bool(options["resume"]), allow_imports=tuple(options["allow_imports"]))  # type: ignore[arg-type]
+        train(
+            job,
+            resume=bool(options["resume"]),
+            allow_imports=tuple(options["allow_imports"]),  # type: ignore[arg-type]
+            startup=times,
+        )
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,4 +1,7 @@
-"""Metrics on rank 0: console lines with a progress bar, JSONL records, TensorBoard, a PNG at the end."""
+"""Metrics on rank 0: console lines with a progress bar, JSONL records, TensorBoard, a PNG at the end.
+
+Also what a run reports: its startup phases' times and, on rank 0, its :class:`RunSummary`.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +9,26 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.train.config import JobConfig
 
-if TYPE_CHECKING:
-    from hyper_parallel.train.trainer import RunSummary
-
-__all__ = ["PEAK_TFLOPS", "MetricsLogger", "StepMetrics", "check_metrics_extras", "peak_tflops"]
+__all__ = [
+    "PEAK_TFLOPS",
+    "MetricsLogger",
+    "RunSummary",
+    "StartupTimes",
+    "StepMetrics",
+    "check_metrics_extras",
+    "peak_tflops",
+]
 
 #: Dense bf16 peak TFLOPs of common accelerators (by a substring of the device name).
 PEAK_TFLOPS: dict[str, float] = {
@@ -80,6 +90,53 @@ def check_metrics_extras(job: JobConfig) -> None:
                 "pip install 'hp-train[plot]' (or leave metrics.plot empty)",
                 path="metrics.plot",
             ) from error
+
+
+@dataclass
+class RunSummary:
+    """What rank 0 returns: every step's loss and rate of this run, and the validation losses."""
+
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    #: wall seconds of each step (data, forward, backward, update, loss reduction)
+    seconds: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    stopped_by_signal: bool = False
+    last_checkpoint: str = ""
+    #: wall seconds of each startup phase of this rank (see :class:`StartupTimes`)
+    startup_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class StartupTimes:
+    """Wall seconds of a rank's startup phases, in the order they ran, for one console line.
+
+    Example::
+
+        >>> times = StartupTimes()
+        >>> with times.phase("mesh"):
+        ...     pass
+        >>> times.line().startswith("startup: mesh 0.0")
+        True
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to phase ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def line(self) -> str:
+        """``startup: imports 1.20 s, mesh 0.05 s, ... (total 2.31 s)``."""
+        phases = ", ".join(f"{name} {s:.2f} s" for name, s in self.seconds.items())
+        return f"startup: {phases} (total {sum(self.seconds.values()):.2f} s)"
 
 
 @dataclass(frozen=True)
