@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,9 +43,10 @@ def test_overrides_refuse_a_callable_outside_the_allowlist(ref: str) -> None:
 
 def test_allowlist_admits_its_modules_and_their_submodules() -> None:
     config = Job.Config.from_dict(
-        {"init": "math:sqrt", "hooks": ["os.path:join"]}, allow_imports=("math", "os.path")
+        {"init": "math:sqrt", "hooks": ["json.decoder:JSONDecoder"]}, allow_imports=("math", "json")
     )
     assert config.init is math.sqrt
+    assert config.hooks == [json.decoder.JSONDecoder]
     assert config.apply_overrides(["init=math:floor"], allow_imports=("math",)).init is math.floor
     with pytest.raises(ConfigError, match="'os'"):  # 'os.path' does not allow its parent
         Job.Config.from_dict({"init": "os:getcwd"}, allow_imports=("os.path",))
@@ -63,3 +65,34 @@ def test_load_config_applies_the_allowlist_to_the_file_and_the_overrides(tmp_pat
     with pytest.raises(ConfigError, match="os"):
         load_config(file, Job.Config, ["init=os:system"], allow_imports=("math",))
     assert load_config(file, Job.Config, allow_imports=("math",)).init is math.sqrt
+
+
+def test_the_allowlist_checks_what_a_path_resolves_to_not_the_text_before_the_colon(
+    tmp_path: Path,
+) -> None:
+    import posixpath
+
+    allowed = ("torch.nn.functional", "os.path")
+    # an attribute walk out of the allowed module: torch.nn.functional.torch.os.system
+    walk = "torch.nn.functional:torch.os.system"
+    with pytest.raises(ConfigError, match="passes through module 'torch'") as e:
+        Job.Config.from_dict({"init": walk}, allow_imports=allowed)
+    assert e.value.path == "init"
+    # ... also as the function of a _partial_ (which would run a shell command when called)
+    marker = tmp_path / "ran"
+    partial = {"_partial_": walk, "args": [f"touch {marker}"]}
+    with pytest.raises(ConfigError, match="passes through module 'torch'"):
+        Job.Config.from_dict({"hooks": [partial]}, allow_imports=allowed)
+    with pytest.raises(ConfigError, match="passes through module 'torch'"):
+        Job.Config().apply_overrides([f"init={walk}"], allow_imports=allowed)
+    assert not marker.exists()
+    # a function an allowed module imported from elsewhere: refused by where it is defined
+    with pytest.raises(ConfigError, match="defined in module 'genericpath'"):
+        Job.Config.from_dict({"init": "os.path:exists"}, allow_imports=allowed)
+    both = ("os.path", "posixpath")  # the module named and the one defining join
+    assert Job.Config.from_dict({"init": "os.path:join"}, allow_imports=both).init is posixpath.join
+    # torch.nn.functional's compiled kernels (torch._C._nn.gelu) stay admitted
+    import torch
+
+    gelu = Job.Config.from_dict({"init": "torch.nn.functional:gelu"}, allow_imports=allowed).init
+    assert gelu is torch.nn.functional.gelu

@@ -18,11 +18,13 @@ from tests._harness import run_on_ranks
 from tests.dmodule._checkpoint_training import CONFIG, app_state, build, full_params, train
 
 from hyper_parallel.dmodule.checkpoint import (
+    MANIFEST,
     CheckpointMismatchError,
     PendingSave,
     TrainingState,
     latest_step,
     load,
+    read_manifest,
     save,
 )
 from hyper_parallel.platform_torch.launch import DistributedRunError
@@ -72,6 +74,11 @@ def _resumed_run(directory: str, dp: int, tp: int) -> dict[str, Any]:
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_resume_on_the_same_mesh_is_bitwise(tmp_path: Path, async_save: bool) -> None:
     ref = run_on_ranks(_reference_run, 2, str(tmp_path), 1, 2, async_save)
+    # committed with a manifest of every file, asynchronous saves too
+    manifest = read_manifest(tmp_path / f"step-{K}")
+    on_disk = {p.name for p in (tmp_path / f"step-{K}").iterdir()} - {MANIFEST}
+    assert manifest is not None and set(manifest["files"]) == on_disk, on_disk
+    assert {"__0_0.distcp", "__1_0.distcp"} <= on_disk  # both ranks' shards
     resumed = run_on_ranks(_resumed_run, 2, str(tmp_path), 1, 2)
     for want, got in zip(ref, resumed, strict=True):
         assert got["step"] == (K, K, K)

@@ -7,6 +7,8 @@ import dataclasses
 import enum
 import functools
 import importlib
+import inspect
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias, cast
@@ -283,10 +285,61 @@ class Decoder:
         if self.allow_imports is not None and not module_allowed(module, self.allow_imports):
             raise ImportRefused(
                 f"refusing to import {ref!r}: module {module!r} is not on the allowlist "
-                f"({', '.join(self.allow_imports) or 'empty'}); a config names callables only "
+                f"({self._allowed()}); a config names callables only "
                 "from these modules (allow another with --allow-import MODULE)",
                 path=path,
             )
+
+    def _allowed(self) -> str:
+        return ", ".join(self.allow_imports or ()) or "empty"
+
+    def import_allowed(self, module: str, qualname: str, ref: str, path: str) -> object:
+        """What ``module:qualname`` names, checked by what it resolves to, not by its text.
+
+        With an allowlist, the walk along ``qualname`` may not pass through a module off
+        it (``torch.nn.functional:torch.os.system`` reaches ``os``), and the object found must
+        be defined in an allowed module (its ``__module__``): a function an allowed module
+        merely imported from elsewhere is refused. The one exception: a compiled builtin
+        of the named module's own package (``torch.nn.functional:gelu`` is
+        ``torch._C._nn.gelu``).
+        """
+        self.check_import(module, ref, path)
+        try:
+            obj: object = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+                if (
+                    isinstance(obj, types.ModuleType)
+                    and self.allow_imports is not None
+                    and not module_allowed(obj.__name__, self.allow_imports)
+                ):
+                    raise ImportRefused(
+                        f"refusing to import {ref!r}: {qualname!r} passes through module "
+                        f"{obj.__name__!r} (name callables as 'module:function' of a module on "
+                        f"the allowlist: {self._allowed()})",
+                        path=path,
+                    )
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"cannot import {ref!r}: {err}", path=path) from err
+        if self.allow_imports is None:
+            return obj
+        home = getattr(obj, "__module__", None)
+        if isinstance(home, str) and module_allowed(home, self.allow_imports):
+            return obj
+        own_kernel = (
+            inspect.isbuiltin(obj)
+            and isinstance(home, str)
+            and home.split(".")[0] == module.split(".")[0]
+        )
+        if own_kernel:
+            return obj
+        raise ImportRefused(
+            f"refusing to import {ref!r}: it is {home}:{getattr(obj, '__qualname__', '?')}, "
+            f"defined in module {home!r}, which is not on the allowlist ({self._allowed()}); "
+            "a config names callables only as defined in these modules (allow another with "
+            "--allow-import MODULE)",
+            path=path,
+        )
 
     def decode(self, data: object, declared: object, path: str) -> Any:
         """``data`` coerced to ``declared``; ConfigError (path, expected, found) when it does not fit."""
@@ -351,11 +404,7 @@ class Decoder:
                 path=path,
             )
         module, qualname = ref.split(":")
-        self.check_import(module, ref, path)
-        try:
-            obj = _import_attribute(module, qualname)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"cannot import {ref!r}: {err}", path=path) from err
+        obj = self.import_allowed(module, qualname, ref, path)
         base = _type_bound(declared)
         if base is not None:
             if not (isinstance(obj, type) and issubclass(obj, base)):

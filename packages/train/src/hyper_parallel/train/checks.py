@@ -1,4 +1,4 @@
-"""Checks of a job before it runs: its degrees against the world, the model's layout, precision, resume."""
+"""Checks of a job before it runs: its degrees against the world, the model's layout, precision."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ from typing import Any
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule import ParallelDims
-from hyper_parallel.dmodule.checkpoint import latest_step
 from hyper_parallel.train.config import JobConfig, batch_layout
 
 __all__ = [
     "check_layout",
     "check_model_layout",
-    "check_resume",
     "parallel_dims",
     "resolve_world",
 ]
@@ -129,27 +127,6 @@ def _check_pipeline_batches(job: JobConfig) -> None:
                 f"(the pipeline runs {what} on it), found a remainder of {batch % microbatches}",
                 path=key,
             )
-
-
-def check_resume(job: JobConfig) -> int:
-    """The step ``--resume`` continues from: the newest committed checkpoint in ``checkpoint.dir``."""
-    if not job.checkpoint.dir:
-        raise ConfigError(
-            "--resume: expected a checkpoint directory, found none", path="checkpoint.dir"
-        )
-    found = latest_step(job.checkpoint.dir)
-    if found is None:
-        raise ConfigError(
-            f"--resume: expected a committed checkpoint (step-N) in {job.checkpoint.dir!r}, found none",
-            path="checkpoint.dir",
-        )
-    if found >= job.training.steps:
-        raise ConfigError(
-            f"--resume: expected more steps than the checkpoint's {found}, found "
-            f"{job.training.steps} (raise training.steps)",
-            path="training.steps",
-        )
-    return found
 
 
 def resolve_world(job: JobConfig, world_size: int) -> JobConfig:

@@ -86,6 +86,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, JobConfig]:
     except ConfigError as error:
         parser.error(str(error))
     args = parser.parse_args(rest)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(
+            f"--world-size: expected an int >= 1 (the ranks to start), found {args.world_size}"
+        )
+    if args.dry_run_memory is not None and not args.dry_run_memory > 0:
+        parser.error(f"--dry-run-memory: expected GiB > 0 per rank, found {args.dry_run_memory:g}")
     try:
         job = load_job(args.config, overrides, allow_imports=args.allow_import)
     except ConfigError as error:
@@ -106,17 +112,23 @@ def preflight(
     the product of the degrees (``parallelism.dp_shard = -1`` needs one of the first two).
     Raises ConfigError (or FileNotFoundError for data) naming the key.
     """
-    from hyper_parallel.train.data import builtin_corpus, find_files
+    from hyper_parallel.train.checkpoints import (
+        check_checkpoint_dir,
+        check_resume,
+        check_resumed_model,
+    )
+    from hyper_parallel.train.data import _is_hf_dataset, builtin_corpus, find_files
     from hyper_parallel.train.metrics import check_metrics_extras
     from hyper_parallel.train.tokenizer import build_tokenizer
-    from hyper_parallel.train.trainer import build_model_config, check_layout, check_resume
+    from hyper_parallel.train.trainer import build_model_config, check_layout
 
     check_metrics_extras(job)
     tokenizer = build_tokenizer(job.tokenizer.path)
-    build_model_config(job, tokenizer.vocab_size, tuple(allow_imports))
+    model_config = build_model_config(job, tokenizer.vocab_size, tuple(allow_imports))
     if job.data.path:
-        if not os.path.isdir(job.data.path):  # a datasets directory is read by datasets
-            find_files(job.data.path)
+        data = job.data
+        if data.format != "hf" and not _is_hf_dataset(Path(data.path)):
+            find_files(data.path)  # a datasets directory is read by datasets
     else:
         builtin_corpus()
     if job.validation.path and not os.path.isdir(job.validation.path):
@@ -129,8 +141,13 @@ def preflight(
             path="parallelism.dp_shard",
         )
     check_layout(job, world)
+    check_checkpoint_dir(job, resume=resume)
     if resume:
-        check_resume(job)
+        # one process reads the checkpoint's files: the launcher, or torchrun's rank 0
+        first = int(os.environ.get("RANK", "0")) == 0
+        step = check_resume(job, verify=first)
+        if first:  # after the manifest check: the shapes are read from DCP's pickled metadata
+            check_resumed_model(job, model_config, step)
     return world
 
 

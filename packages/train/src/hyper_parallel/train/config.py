@@ -162,6 +162,11 @@ class CheckpointConfig:
     async_save: bool = False
     #: write the final model as Hugging Face safetensors here
     export_hf: str = ""
+    #: ``--resume`` continues from this step's checkpoint (0: the newest)
+    resume_step: int = 0
+    #: a fresh run (no ``--resume``) removes ``dir``'s checkpoints first; without it, a fresh
+    #: run into a ``dir`` holding checkpoints is refused
+    overwrite: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -275,6 +280,7 @@ def check_job(job: JobConfig) -> None:
         "lr_scheduler.warmup_steps": (job.lr_scheduler.warmup_steps, 0),
         "checkpoint.interval": (job.checkpoint.interval, 0),
         "checkpoint.keep": (job.checkpoint.keep, 0),
+        "checkpoint.resume_step": (job.checkpoint.resume_step, 0),
         "metrics.log_interval": (job.metrics.log_interval, 1),
         "validation.interval": (job.validation.interval, 0),
         "validation.steps": (job.validation.steps, 1),

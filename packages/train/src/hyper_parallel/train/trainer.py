@@ -23,6 +23,7 @@ import torch
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.checkpoint import (
+    CheckpointCorruptError,
     ModelState,
     PendingSave,
     StateDictOptions,
@@ -44,7 +45,14 @@ from hyper_parallel.train.build import (
     build_optimizer,
     model_job_config,
 )
-from hyper_parallel.train.checks import check_layout, check_resume, parallel_dims, resolve_world
+from hyper_parallel.train.checkpoints import (
+    check_checkpoint_dir,
+    check_resume,
+    checkpoint_info,
+    clear_checkpoints,
+    corrupt_checkpoint_error,
+)
+from hyper_parallel.train.checks import check_layout, parallel_dims, resolve_world
 from hyper_parallel.train.config import JobConfig, batch_layout
 from hyper_parallel.train.data import Batch, BatchSampler, PackedSamples, pack, read_documents
 from hyper_parallel.train.lr import lr_at
@@ -90,7 +98,7 @@ def train(
         >>> run_distributed(train, 2, args=(load_job("job.toml"),))  # doctest: +SKIP
     """
     times = startup if startup is not None else StartupTimes()
-    plan = _plan(job, allow_imports, times)
+    plan = _plan(job, resume, allow_imports, times)
     built = build_model(plan.job, plan.model_config, plan.dims, plan.device, times)
     state = _restore(plan, built, resume, times)
     loop = _Loop(plan, built, state, resume=resume, log=log, times=times)
@@ -113,12 +121,15 @@ class _Plan:
     accumulation: int
 
 
-def _plan(job: JobConfig, allow_imports: tuple[str, ...], times: StartupTimes) -> _Plan:
+def _plan(
+    job: JobConfig, resume: bool, allow_imports: tuple[str, ...], times: StartupTimes
+) -> _Plan:
     """Check the job against this world and build its mesh (timed as ``mesh``)."""
     platform = get_platform()
     rank, world = platform.get_rank(), platform.get_world_size()
     job = resolve_world(job, world)
     check_layout(job, world)
+    check_checkpoint_dir(job, resume=resume)
     tokenizer = build_tokenizer(job.tokenizer.path)
     model_config = build_model_config(job, tokenizer.vocab_size, allow_imports)
     local_batch, accumulation = batch_layout(job)
@@ -162,8 +173,10 @@ def _restore(plan: _Plan, built: BuiltModel, resume: bool, times: StartupTimes) 
     app: dict[str, Any] = {"app": ModelState(held, optimizer, options=options), "train": state}
     if resume:
         with times.phase("checkpoint"):
-            check_resume(job)
-            loaded = load(app, job.checkpoint.dir)
+            try:  # rank 0 checks the files against the manifest before anything is unpickled
+                loaded = load(app, job.checkpoint.dir, step=check_resume(job))
+            except CheckpointCorruptError as error:
+                raise corrupt_checkpoint_error(error) from error
         saved_model = state.extra.get("model")
         if saved_model not in (None, job.model.name):
             raise ConfigError(
@@ -172,6 +185,8 @@ def _restore(plan: _Plan, built: BuiltModel, resume: bool, times: StartupTimes) 
                 path="checkpoint.dir",
             )
         sampler.position = state.data_position
+    elif job.checkpoint.overwrite and plan.rank == 0:
+        clear_checkpoints(job)  # checked: a fresh run into another run's checkpoints
     state.extra["model"] = job.model.name
     return _State(optimizer, sampler, val_samples, state, app)
 
@@ -329,6 +344,7 @@ class _Loop:
             job.checkpoint.dir,
             step=step,
             async_save=job.checkpoint.async_save and not stopping,
+            info=checkpoint_info(job),
         )
         if isinstance(saved, PendingSave):
             self.pending = saved

@@ -4,9 +4,15 @@
 written as ``directory/.step-<N>.partial`` and renamed by rank 0 once every rank
 has finished writing (DCP's save ends with a collective after the metadata is
 written), so a crash during a save leaves the previous checkpoint the latest
-loadable one. Loading first compares the checkpoint's metadata with the state to
-fill and names every missing, unexpected and mis-shaped key before anything is
-modified.
+loadable one. Just before that rename rank 0 writes the checkpoint's manifest (each
+file's size and SHA-256, see :mod:`.manifest`). Loading first checks every file
+against the manifest, before anything is unpickled, then compares the checkpoint's
+metadata with the state to fill and names every missing, unexpected and mis-shaped
+key before anything is modified.
+
+A checkpoint is code: DCP's ``.metadata`` and its non-tensor values are pickles, and
+loading them runs whatever they name (as ``torch.load(weights_only=False)``). The
+manifest catches damage, not a planted checkpoint: load only checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import functools
 import os
 import re
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,12 +35,24 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
+from hyper_parallel.dmodule.checkpoint.manifest import MANIFEST, damage, write_manifest
 from hyper_parallel.dmodule.checkpoint.state_dict import ModelState
 from hyper_parallel.dmodule.checkpoint.training_state import TrainingState
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives, init_device_mesh
 from hyper_parallel.platform import get_platform
 
-__all__ = ["CheckpointMismatchError", "PendingSave", "latest_step", "load", "save", "step_path"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "PendingSave",
+    "UnverifiedCheckpointWarning",
+    "committed_steps",
+    "latest_step",
+    "load",
+    "save",
+    "step_path",
+    "verify_checkpoint",
+]
 
 _STEP = re.compile(r"step-(\d+)")
 
@@ -69,6 +88,31 @@ class CheckpointMismatchError(ValueError):
         )
 
 
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's file is off its manifest (missing, resized, changed); nothing was read.
+
+    ``path``: the checkpoint directory; ``file``: the damaged file in it; ``intact``: the
+    newest older step whose files all match their manifest (``None``: there is none).
+    """
+
+    def __init__(self, path: Path, file: str, problem: str, intact: int | None) -> None:
+        self.path, self.file, self.problem, self.intact = path, file, problem, intact
+        if intact is None:
+            hint = "no older checkpoint in its directory is intact"
+        else:
+            hint = (
+                f"the newest intact checkpoint is step {intact} "
+                f"({step_path(path.parent, intact)}): load it with step={intact}"
+            )
+        super().__init__(
+            f"checkpoint {path} is damaged: {file} {problem}; nothing was read from it; {hint}"
+        )
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint without a manifest (saved before manifests existed) was loaded unchecked."""
+
+
 def _listed(items: list[str], limit: int = 20) -> str:
     shown = ", ".join(items[:limit])
     return shown if len(items) <= limit else f"{shown}, ... ({len(items)} in all)"
@@ -85,6 +129,24 @@ def step_path(directory: str | os.PathLike[str], step: int) -> Path:
     return Path(directory) / f"step-{step}"
 
 
+def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """The steps with a committed checkpoint in ``directory``, ascending (partial saves ignored).
+
+    Example::
+
+        >>> committed_steps("/nonexistent")
+        []
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(
+        int(m.group(1))
+        for entry in root.iterdir()
+        if (m := _STEP.fullmatch(entry.name)) and (entry / ".metadata").is_file()
+    )
+
+
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The highest step with a committed checkpoint in ``directory`` (None if there is none).
 
@@ -95,15 +157,34 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
         >>> latest_step("/nonexistent") is None
         True
     """
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    steps = [
-        int(m.group(1))
-        for entry in root.iterdir()
-        if (m := _STEP.fullmatch(entry.name)) and (entry / ".metadata").is_file()
-    ]
-    return max(steps, default=None)
+    steps = committed_steps(directory)
+    return steps[-1] if steps else None
+
+
+def verify_checkpoint(directory: str | os.PathLike[str], step: int) -> None:
+    """Check every file of ``directory/step-<step>`` against its manifest (one process, no pickle).
+
+    Raises :class:`CheckpointCorruptError` naming the file and the newest intact older
+    step. A checkpoint without a manifest (saved before hp-dmodule wrote them) cannot be
+    checked: it passes with an :class:`UnverifiedCheckpointWarning`.
+
+    Example::
+
+        verify_checkpoint("ckpt", 10)
+    """
+    path = step_path(directory, step)
+    found = damage(path)
+    if found is not None:
+        older = [s for s in committed_steps(directory) if s < step]
+        intact = next((s for s in reversed(older) if damage(step_path(directory, s)) is None), None)
+        raise CheckpointCorruptError(path, found[0], found[1], intact)
+    if not (path / MANIFEST).is_file():
+        warnings.warn(
+            f"checkpoint {path} has no {MANIFEST} (saved before manifests were written): "
+            "its files cannot be checked for damage",
+            UnverifiedCheckpointWarning,
+            stacklevel=2,
+        )
 
 
 class PendingSave:
@@ -116,16 +197,23 @@ class PendingSave:
         pending.wait()
     """
 
-    def __init__(self, future: Future[Any], partial: Path, final: Path, device_type: str) -> None:
+    def __init__(
+        self,
+        future: Future[Any],
+        partial: Path,
+        final: Path,
+        device_type: str,
+        info: dict[str, Any] | None = None,
+    ) -> None:
         self._future, self._partial, self.path = future, partial, final
-        self._device_type = device_type
+        self._device_type, self._info = device_type, info
         self._done = False
 
     def wait(self) -> Path:
         """Wait for every rank's write, commit the checkpoint, and return its directory."""
         if not self._done:
             self._future.result()
-            _commit(self._partial, self.path, self._device_type)
+            _commit(self._partial, self.path, self._device_type, self._info)
             self._done = True
         return self.path
 
@@ -156,13 +244,16 @@ def save(
     *,
     step: int,
     async_save: bool = False,
+    info: dict[str, Any] | None = None,
 ) -> Path | PendingSave:
     """Save ``state`` (values: ``Stateful``s, state dicts, tensors) as ``directory/step-<step>``.
 
     Collective: every rank calls it. Each rank writes its shards; replicated values
-    are written once. Committed atomically (see the module docstring); an existing
-    checkpoint of the same step is replaced only once the new one is complete. With
-    ``async_save=True`` the state is staged and written in the background
+    are written once. Committed atomically (see the module docstring), with a manifest
+    of every file's size and SHA-256 (rank 0 hashes them) that also keeps ``info``
+    (JSON values, e.g. the run's seed: readable without unpickling anything); an
+    existing checkpoint of the same step is replaced only once the new one is complete.
+    With ``async_save=True`` the state is staged and written in the background
     (``dcp.async_save``); the returned :class:`PendingSave` commits on ``wait()``.
 
     Example::
@@ -180,9 +271,9 @@ def save(
         # dcp writes in a thread whose collectives must not interleave with the training's
         # on the same group (gloo deadlocks on two threads' collectives): a group of its own
         future = dcp_async_save(state, checkpoint_id=str(partial), process_group=_save_group())
-        return PendingSave(future, partial, final, device_type)  # type: ignore[arg-type]
+        return PendingSave(future, partial, final, device_type, info)  # type: ignore[arg-type]
     dcp_save(state, checkpoint_id=str(partial))
-    _commit(partial, final, device_type)
+    _commit(partial, final, device_type, info)
     return final
 
 
@@ -197,8 +288,9 @@ def load(
     Collective. Tensors are filled in place, resharded onto their current layout
     (another mesh, another tp size, or plain tensors); ``Stateful`` values get
     ``load_state_dict``. Raises :class:`CheckpointMismatchError` on every rank,
-    before modifying anything, when the checkpoint does not fit ``state``. Returns
-    the step loaded.
+    before modifying anything, when the checkpoint does not fit ``state``, and
+    :class:`CheckpointCorruptError` when a file is off the checkpoint's manifest
+    (checked by rank 0 before anything is unpickled). Returns the step loaded.
 
     Example::
 
@@ -211,6 +303,16 @@ def load(
     path = step_path(directory, step)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"load: {path} is not a committed checkpoint (no .metadata)")
+    corrupt: CheckpointCorruptError | None = None
+    if _rank() == 0:  # one reader of every file; the others wait in agree()
+        try:
+            verify_checkpoint(directory, step)
+        except CheckpointCorruptError as error:
+            corrupt = error
+    if agree(corrupt is not None, _device_type(state)) and corrupt is None:
+        raise ValueError(f"load: checkpoint {path} is damaged (rank 0 names the file)")
+    if corrupt is not None:
+        raise corrupt
     metadata = FileSystemReader(str(path)).read_metadata()
     for key, value in state.items():
         if isinstance(value, TrainingState):
@@ -269,9 +371,13 @@ def _held_anywhere(flags: list[bool], device_type: str) -> list[bool]:
     return [bool(c) for c in collectives.all_reduce(counts, mesh, 0, "sum").tolist()]
 
 
-def _commit(partial: Path, final: Path, device_type: str) -> None:
-    """Rank 0 renames the finished ``partial`` to ``final``; every rank then sees it."""
+def _commit(
+    partial: Path, final: Path, device_type: str, info: dict[str, Any] | None = None
+) -> None:
+    """Rank 0 writes the finished ``partial``'s manifest, renames it to ``final``; every rank
+    then sees it."""
     if _rank() == 0:
+        write_manifest(partial, info)
         previous = final.with_name(f".{final.name}.replaced")
         if final.exists():
             shutil.rmtree(previous, ignore_errors=True)
