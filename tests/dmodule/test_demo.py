@@ -98,3 +98,30 @@ def test_demo_fsdp_x_tp_keeps_parity_and_resumes_onto_another_fsdp_mesh(tmp_path
     resumed = _demo(["--tp", "1", "--dp-shard", "2", "--steps", "3", "--resume", *common])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed at step 3" in resumed.stdout and "PASS" in resumed.stdout
+
+
+def test_plan_table_widens_the_placement_column_for_a_2d_placement() -> None:
+    """FSDP x TP's placements (the issue's row) stay in their column, apart from the shape."""
+    from hyper_parallel.dmodule.demo_report import plan_table
+
+    wide = "[_StridedShard(dim=0, sf=2), Shard(dim=0)]"
+    plan = [
+        ("tok_embeddings", "weight", wide, (256, 64), (64, 64)),
+        ("layers.0.attention.wq", "weight", "[Shard(dim=0)]", (64, 64), (32, 64)),
+        ("norm", "weight", "(plain tensor)", (64,), (64,)),
+    ]
+    lines = plan_table(plan)
+    header = ["module", "param", "placement", "global shape", "local shape"]
+    rows = [header, *[[m, n, p, str(full), str(local)] for m, n, p, full, local in plan]]
+    # the header's words mark where each column starts; every line's cells start there,
+    # each followed by spaces only, at least two before the next column
+    starts = [lines[0].index(word) for word in header]
+    assert len(lines) == len(rows)
+    for line, row in zip(lines, rows, strict=True):
+        assert line[: starts[0]] == "  "
+        ends = [*starts[1:], len(line)]
+        for cell, start, end in zip(row, starts, ends, strict=True):
+            assert line[start:end].rstrip() == cell, (line, cell)
+        for cell, start, end in zip(row[:-1], starts[:-1], ends[:-1], strict=True):
+            assert end - start - len(cell) >= 2, (line, cell)
+    assert starts[3] - starts[2] == len(wide) + 2  # the widest placement sets its column

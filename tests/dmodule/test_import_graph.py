@@ -1,7 +1,9 @@
 """hp-dmodule's files import each other one way: no circle, no lazy module attributes.
 
 Read with ``ast`` (nothing is imported): each file's module-level imports of hp-dmodule
-files form a graph, and that graph has no cycle. A circle is what forced the stubs and
+files form a graph, and that graph has no cycle. Every import counted (inside functions
+and ``TYPE_CHECKING`` blocks too, which a circle at import time hides in), the graph has no
+cycle either, outside :data:`_CIRCLES_BEING_REMOVED`. A circle is what forced the stubs and
 module ``__getattr__``s ``containers.py`` once needed, so a module-level ``__getattr__``
 is refused too. Implicit imports of parent packages (Python runs ``pkg/__init__`` before
 ``pkg.sub``) are not edges: they always run first and are no circle of the code's making.
@@ -49,11 +51,17 @@ def _top_level_nodes(body: list[ast.stmt]) -> list[ast.stmt]:
     return found
 
 
-def _edges(path: str) -> list[tuple[int, str]]:
-    """``(line, file)`` for each hp-dmodule file that ``path`` imports at module level."""
+def _edges(path: str, *, everywhere: bool = False) -> list[tuple[int, str]]:
+    """``(line, file)`` for each hp-dmodule file that ``path`` imports at module level
+    (``everywhere``: also inside functions, classes and ``TYPE_CHECKING`` blocks)."""
     tree = ast.parse((_PACKAGE / path).read_text())
     found: list[tuple[int, str]] = []
-    for node in _top_level_nodes(tree.body):
+    nodes: list[ast.stmt] = (
+        [n for n in ast.walk(tree) if isinstance(n, ast.stmt)]
+        if everywhere
+        else _top_level_nodes(tree.body)
+    )
+    for node in nodes:
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -63,7 +71,7 @@ def _edges(path: str) -> list[tuple[int, str]]:
                 names.append(sub if _module_file(sub) is not None else node.module)
         for name in names:
             target = _module_file(name)
-            if target is not None and target != path:
+            if target is not None and target != path and (node.lineno, target) not in found:
                 found.append((node.lineno, target))
     return found
 
@@ -92,8 +100,32 @@ def _cycles(graph: dict[str, list[tuple[int, str]]]) -> list[str]:
     return found
 
 
-def _graph() -> dict[str, list[tuple[int, str]]]:
-    return {path: _edges(path) for path in _files()}
+def _graph(*, everywhere: bool = False) -> dict[str, list[tuple[int, str]]]:
+    return {path: _edges(path, everywhere=everywhere) for path in _files()}
+
+
+#: Files that still import each other in a circle while another change removes it, one set per
+#: circle: an import between two files of one set is left out of the graph. Issue 36's models
+#: (the model, its plan and its HF adapter) are being made one-way on their own branch; the
+#: lead empties this after merging it.
+_CIRCLES_BEING_REMOVED: tuple[frozenset[str], ...] = (
+    frozenset({"models/llama.py", "models/llama_sharding.py", "models/llama_hf.py"}),
+    frozenset({"models/qwen3.py", "models/qwen3_sharding.py", "models/qwen3_hf.py"}),
+)
+
+
+def _without_allowed(
+    graph: dict[str, list[tuple[int, str]]], allowed: tuple[frozenset[str], ...]
+) -> dict[str, list[tuple[int, str]]]:
+    """``graph`` less the imports between two files of one ``allowed`` set."""
+    return {
+        path: [
+            (line, target)
+            for line, target in edges
+            if not any(path in group and target in group for group in allowed)
+        ]
+        for path, edges in graph.items()
+    }
 
 
 def _module_getattrs() -> list[str]:
@@ -116,6 +148,26 @@ def test_the_graph_sees_the_containers_edge() -> None:
 def test_hp_dmodule_has_no_import_circle() -> None:
     cycles = _cycles(_graph())
     assert not cycles, "hp-dmodule files that import each other in a circle:\n" + "\n".join(cycles)
+
+
+def test_hp_dmodule_has_no_import_circle_counting_every_import() -> None:
+    """Lazy and annotation-only imports count: a circle there is one a refactor trips over."""
+    graph = _without_allowed(_graph(everywhere=True), _CIRCLES_BEING_REMOVED)
+    cycles = _cycles(graph)
+    assert not cycles, "hp-dmodule files that import each other in a circle:\n" + "\n".join(cycles)
+
+
+def test_every_import_is_seen_and_only_the_named_circles_are_left_out() -> None:
+    """Function-level and ``TYPE_CHECKING`` imports are edges; the allowlist drops only its own."""
+    everywhere = _graph(everywhere=True)
+    # model_spec.py imports PipelineSplit under TYPE_CHECKING and inside a method, only there
+    lines = [line for line, target in everywhere["model_spec.py"] if target == "pipeline/split.py"]
+    assert len(lines) == 2, lines
+    assert "pipeline/split.py" not in {target for _, target in _graph()["model_spec.py"]}
+    graph = {"a.py": [(3, "b.py")], "b.py": [(7, "a.py")], "c.py": [(1, "a.py"), (2, "d.py")]}
+    graph["d.py"] = [(5, "c.py")]
+    left = _without_allowed(graph, (frozenset({"a.py", "b.py"}),))
+    assert _cycles(left) == ["c.py:2 -> d.py:5 -> c.py"]
 
 
 def test_hp_dmodule_has_no_module_getattr() -> None:

@@ -144,3 +144,49 @@ def test_parallelize_llama_runs_tp_then_ac_then_compile_then_fsdp(
         ("apply_compile", None),
         ("apply_fsdp", mesh),
     ]
+
+
+class _SizedMesh:
+    """Names and sizes by axis, and the sub-mesh names ``mesh[...]`` would give."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.mesh_dim_names = tuple(sizes)
+        self._sizes = tuple(sizes.values())
+
+    def size(self, index: int) -> int:
+        return self._sizes[index]
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> tuple[str, ...]:
+        return (names,) if isinstance(names, str) else names
+
+
+@pytest.mark.parametrize(
+    ("sizes", "cp", "expected"),
+    [
+        ({"dp_shard": 2, "tp": 2}, 1, (("dp_shard",), 2)),
+        ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 1, (("dp_replicate", "dp_shard"), 4)),
+        ({"dp_replicate": 1, "dp_shard": 4}, 1, (("dp_shard",), 4)),  # one replica: plain FSDP
+        ({"dp_shard": 2, "cp": 2}, 2, (("dp_shard", "cp"), 2)),
+        ({"dp": 2, "tp": 2}, 1, None),
+        ({"tp": 4}, 1, None),
+    ],
+)
+def test_one_data_parallel_mesh_resolver_serves_both_plans(
+    sizes: dict[str, int], cp: int, expected: tuple[tuple[str, ...], int] | None
+) -> None:
+    """The axes fully_shard runs over and the data-parallel degree, by hand from the names."""
+    from hyper_parallel.dmodule.models._sharding import data_parallel_mesh
+
+    found = data_parallel_mesh(_SizedMesh(**sizes), cp=cp, where="apply_fsdp")  # type: ignore[arg-type]
+    resolved: tuple[object, int] | None = None if found is None else (found.mesh, found.dp)
+    assert resolved == expected
+
+
+def test_the_resolver_refuses_hsdp_with_cp_on_a_plain_mesh_naming_the_caller() -> None:
+    from hyper_parallel.dmodule.models._sharding import data_parallel_mesh
+
+    mesh = _SizedMesh(dp_replicate=2, dp_shard=2, cp=2)
+    with pytest.raises(
+        ValueError, match=r"^apply_fsdp: dp_replicate x dp_shard x cp .*ParallelDims"
+    ):
+        data_parallel_mesh(mesh, cp=2, where="apply_fsdp")  # type: ignore[arg-type]

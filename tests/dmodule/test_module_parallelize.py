@@ -402,6 +402,24 @@ def _errors() -> dict[str, Any]:
     once = _layer(sharded())
     once.parallelize(mesh)
     out["twice"] = _error(lambda: once.parallelize(mesh))
+    out["replaced_after_parallelize"] = _error(
+        lambda: once.set_sharding_config(ShardingConfig(state_shardings={"weight": {TP: Shard(1)}}))
+    )
+
+    # a declared column-parallel layer given the row-parallel layout before parallelize
+    switched = _layer(sharded())
+    with torch.no_grad():
+        switched.weight.copy_(torch.arange(16.0).reshape(4, 4))
+    switched.set_sharding_config(ShardingConfig(state_shardings={"weight": {TP: Shard(1)}}))
+    switched.parallelize(mesh)
+    weight = switched.weight
+    assert isinstance(weight, DTensor)
+    tp_rank = mesh.get_local_rank("tp")
+    columns = torch.arange(16.0).reshape(4, 4)[:, 2 * tp_rank : 2 * tp_rank + 2]
+    out["switched"] = (
+        [repr(p) for p in weight.placements],
+        torch.equal(weight.to_local(), columns),
+    )
 
     mismatched = _layer(sharded())
     mismatched.weight = torch.nn.Parameter(
@@ -560,6 +578,47 @@ def test_unknown_forward_argument_lists_the_arguments(errors: dict[str, Any]) ->
         "Linear: in_dst_shardings names argument 'inp', which Linear.forward does not take; "
         "its arguments are ['x']" in errors["unknown_argument"]
     )
+
+
+def test_a_replaced_layout_is_the_one_parallelize_applies(errors: dict[str, Any]) -> None:
+    """Declared Shard(0) over tp, replaced by Shard(1): each rank holds its two columns."""
+    placements, columns_match = errors["switched"]
+    assert placements == ["Replicate()", "Shard(dim=1)"]
+    assert columns_match
+
+
+def test_replacing_a_layout_after_parallelize_is_refused(errors: dict[str, Any]) -> None:
+    message = errors["replaced_after_parallelize"]
+    assert message.startswith("ValueError: Linear.set_sharding_config: the module is parallelized")
+    assert "before parallelize()" in message
+
+
+def test_replacing_a_layout_checks_states_and_arguments_before_changing_anything() -> None:
+    layer = _layer(ShardingConfig(state_shardings={"weight": {TP: Shard(0)}}))
+    declared = layer.sharding_config
+    wrong = ShardingConfig(state_shardings={"wieght": {TP: Shard(1)}}, in_dst_shardings={"inp": {}})
+    with pytest.raises(ValueError) as raised:
+        layer.set_sharding_config(wrong)
+    message = str(raised.value)
+    assert message.startswith("Linear.set_sharding_config: ")
+    assert "no parameter or buffer 'wieght'; it has ['weight', 'bias']" in message
+    assert "in_dst_shardings names argument 'inp'" in message and "['x']" in message
+    assert layer.sharding_config is declared
+    with pytest.raises(TypeError, match="expected a ShardingConfig or None, found"):
+        layer.set_sharding_config({"weight": {TP: Shard(1)}})  # type: ignore[arg-type]
+    assert layer.sharding_config is declared
+
+
+def test_replacing_a_layout_returns_the_previous_one_and_none_means_no_layout() -> None:
+    layer = _layer(ShardingConfig(state_shardings={"weight": {TP: Shard(0)}}))
+    declared = layer.sharding_config
+    rowwise = ShardingConfig(state_shardings={"weight": {TP: Shard(1)}})
+    assert layer.set_sharding_config(rowwise) is declared
+    assert layer.sharding_config is rowwise
+    assert layer.set_sharding_config(None) is rowwise
+    assert layer.sharding_config is None  # not the declared one: no layout of its own
+    layer.set_sharding_config(declared)
+    assert layer.sharding_config is declared
 
 
 def test_parallelize_twice_is_an_error(errors: dict[str, Any]) -> None:

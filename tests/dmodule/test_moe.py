@@ -137,6 +137,28 @@ def test_aux_loss_is_transformers_load_balancing_loss() -> None:
     assert moe.router.gate.weight.grad is not None
 
 
+def test_aux_loss_of_no_tokens_is_zero_not_nan_and_backward_runs() -> None:
+    """The empty mean: a layer that routed nothing adds 0 to the summed aux loss."""
+    moe = _built(top_k=2, aux_loss_coeff=0.01)
+    x = torch.randn(0, 16)
+    assert moe(x).shape == (0, 16)
+    empty = moe_aux_loss(moe)
+    assert empty is not None and empty.item() == 0.0  # torch's mean of nothing would be nan
+    empty.backward()  # type: ignore[no-untyped-call]
+    grad = moe.router.gate.weight.grad
+    assert grad is not None and torch.equal(grad, torch.zeros_like(grad))
+    # two layers, one with tokens and one without: the sum is the first one's alone
+    busy = _built(top_k=2, aux_loss_coeff=0.01)
+    tokens = torch.randn(10, 16)
+    busy(tokens)
+    alone = moe_aux_loss(busy)
+    assert alone is not None
+    pair = torch.nn.ModuleList([busy, moe])
+    moe(x)
+    total = moe_aux_loss(pair)
+    assert total is not None and torch.equal(total, alone)
+
+
 def test_meta_build_then_init_states_equals_a_real_build() -> None:
     cfg = MoE.Config(
         dim=16, hidden_dim=8, num_experts=4, shared_hidden_dim=8, load_balance_coeff=1.0

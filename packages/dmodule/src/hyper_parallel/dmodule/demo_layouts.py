@@ -17,11 +17,12 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from hyper_parallel.dmodule.context_parallel import CP_ALGORITHMS
+from hyper_parallel.dmodule.demo_options import Options, RankReport, stages_per_rank
+from hyper_parallel.dmodule.demo_report import count_collectives, print_step, sharding_plan
 from hyper_parallel.dmodule.layers.moe import MoE
 from hyper_parallel.dmodule.model_spec import ModelSpec, get_spec
 from hyper_parallel.dmodule.models.llama import Llama
@@ -31,9 +32,6 @@ from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, stage_owner
 from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives, init_device_mesh
 from hyper_parallel.platform import get_platform
-
-if TYPE_CHECKING:
-    from hyper_parallel.dmodule.demo import Options, RankReport
 
 __all__ = [
     "MODELS",
@@ -45,7 +43,6 @@ __all__ = [
     "split_model_choice",
     "train_layout_rank",
     "train_layout_reference",
-    "uses_layouts",
 ]
 
 #: The demo's models: llama-ref (dense; ``--cp``) and a Qwen3-MoE built from the same fields.
@@ -105,11 +102,6 @@ def split_model_choice(argv: list[str]) -> tuple[list[str], list[str]]:
         else:
             rest.append(arg)
     return rest, choice
-
-
-def uses_layouts(options: Options) -> bool:
-    """Whether the run takes this module's path (qwen3-moe, ``--cp`` or ``--packed``)."""
-    return options.model_name != "llama-ref" or options.cp > 1 or options.packed
 
 
 def fill_dp_shard_for_ep(args: argparse.Namespace) -> None:
@@ -294,14 +286,6 @@ def train_layout_rank(options: Options) -> RankReport | None:
 
         >>> run_distributed(train_layout_rank, 2, args=(parse_args(["--cp", "2"]),))  # doctest: +SKIP
     """
-    from hyper_parallel.dmodule.demo import (
-        RankReport,
-        _print_step,
-        _stages_per_rank,
-        count_collectives,
-        sharding_plan,
-    )
-
     platform = get_platform()
     rank = platform.get_rank()
     device = platform.device_for(options.device)
@@ -317,7 +301,7 @@ def train_layout_rank(options: Options) -> RankReport | None:
         pipeline_options = {
             "schedule": options.schedule,
             "n_microbatches": options.microbatches,
-            "stages_per_rank": _stages_per_rank(options.schedule),
+            "stages_per_rank": stages_per_rank(options.schedule),
         }
         pipe: Pipeline = spec.pipelining_fn(model, dims, {"pipeline": pipeline_options})
         trained, parts = pipe, pipe.model_parts
@@ -371,7 +355,7 @@ def train_layout_rank(options: Options) -> RankReport | None:
         if step == counted:
             counts = step_counts
         if rank == 0:
-            _print_step(step, options.steps, losses[-1], seconds[-1])
+            print_step(step, options.steps, losses[-1], seconds[-1])
     sections = (
         _moe_section(options, dims, parts, routed, axis_counts)
         if isinstance(model, Qwen3)
@@ -465,10 +449,8 @@ def _stages_of(options: Options, rank: int) -> list[int]:
     """The pipeline stages ``rank`` holds (``pp`` is the world mesh's outermost axis)."""
     if options.pp == 1:
         return [0]
-    from hyper_parallel.dmodule.demo import _stages_per_rank
-
     pp_rank = rank // (options.world // options.pp)
-    stages = options.pp * _stages_per_rank(options.schedule)
+    stages = options.pp * stages_per_rank(options.schedule)
     return [s for s in range(stages) if stage_owner(s, options.pp, options.schedule) == pp_rank]
 
 

@@ -21,7 +21,7 @@ from hyper_parallel.dmodule._state_checks import (
     watch_fresh_states,
 )
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
-from hyper_parallel.dmodule.planner import ShardingError, plan_parallelize
+from hyper_parallel.dmodule.planner import ShardingError, declaration_problems, plan_parallelize
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, distribute_tensor
 from hyper_parallel.platform import get_platform
@@ -98,6 +98,8 @@ class Module(_PlatformModule, Configurable):
 
     _param_init: dict[str, ParamInit] | None = None
     _sharding_config: ShardingConfig | None = None
+    # Set by set_sharding_config only (None included: no layout of its own); absent otherwise.
+    _hp_replaced_sharding: ShardingConfig | None
     _parallelized: bool = False
     _hp_forward_plan: ForwardPlan | None = None
     # Set by parallelize and _apply: some own state is a meta tensor (no memory yet).
@@ -169,11 +171,55 @@ class Module(_PlatformModule, Configurable):
 
     @property
     def sharding_config(self) -> ShardingConfig | None:
-        """Sharding spec used by :meth:`parallelize` (from the Config this module was built from)."""
+        """Sharding spec used by :meth:`parallelize` (from the Config this module was built from,
+        or the one :meth:`set_sharding_config` put in its place)."""
+        if "_hp_replaced_sharding" in self.__dict__:
+            return self._hp_replaced_sharding
         if self._sharding_config is not None:
             return self._sharding_config
         config = self.__dict__.get("config")
         return config.sharding_config if isinstance(config, Module.Config) else None
+
+    def set_sharding_config(self, config: ShardingConfig | None) -> ShardingConfig | None:
+        """Replace the layout :meth:`parallelize` gives this module; return the one it had.
+
+        For a plan that chooses among layouts after the model is built (qwen3's plan gives
+        each MoE its expert-tensor-parallel layout this way). ``None``: no layout of its
+        own. ``config`` is checked as the declared one is, before anything changes: a
+        :class:`ShardingConfig` whose state paths name this module's parameters or buffers
+        and whose input shardings name arguments of its ``forward`` (axis names and shard
+        dims are checked against the mesh by ``parallelize``). Refused once the module is
+        parallelized: its states are laid out already. Passing the returned layout back
+        undoes the change.
+
+        Example::
+
+            >>> from hyper_parallel.dmodule import MeshAxisName, ShardingConfig
+            >>> from hyper_parallel.dmodule.layers import Linear
+            >>> from hyper_parallel.dtensor import Shard
+            >>> layer = Linear.Config(in_features=8, out_features=4).build()
+            >>> rowwise = ShardingConfig(state_shardings={"weight": {MeshAxisName.TP: Shard(1)}})
+            >>> declared = layer.set_sharding_config(rowwise)
+            >>> layer.sharding_config.state_shardings
+            {'weight': {MeshAxisName.TP: Shard(dim=1)}}
+            >>> layer.set_sharding_config(declared) is rowwise
+            True
+        """
+        owner = type(self)._hp_parallel_base or type(self)
+        where = f"{owner.__name__}.set_sharding_config"
+        if config is not None and not isinstance(config, ShardingConfig):
+            raise TypeError(f"{where}: expected a ShardingConfig or None, found {config!r}")
+        if self._parallelized:
+            raise ValueError(
+                f"{where}: the module is parallelized already, its states laid out by the "
+                "layout it had; replace a layout before parallelize()"
+            )
+        problems = [] if config is None else declaration_problems(self, config)
+        if problems:
+            raise ValueError(f"{where}: " + "; ".join(problems))
+        previous = self.sharding_config
+        self._hp_replaced_sharding = config
+        return previous
 
     @property
     def is_parallelized(self) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "ShardingError",
     "StatePlan",
     "check_sharding",
+    "declaration_problems",
     "plan_parallelize",
     "validate_sharding",
 ]
@@ -179,6 +180,47 @@ def plan_parallelize(
         if sc.local_map is not None:
             local_map_roots.append(path)
     return plans, planner.problems
+
+
+def declaration_problems(module: torch.nn.Module, sc: ShardingConfig) -> list[str]:
+    """What is wrong with ``sc`` as ``module``'s own layout, whatever the mesh (empty: nothing).
+
+    The checks that need no mesh, as :func:`plan_parallelize` makes them: each
+    ``state_shardings`` path names a parameter or buffer of ``module``, and each
+    ``in_src_shardings``/``in_dst_shardings`` key an argument its ``forward`` takes. Axis
+    names and shard dims are checked against the mesh, by ``parallelize``.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule import ShardingConfig
+        >>> declaration_problems(torch.nn.Linear(2, 2), ShardingConfig(state_shardings={"w": {}}))
+        ["Linear.w: sharding_config names a state that does not exist: no parameter or buffer 'w'; it has ['weight', 'bias']"]
+    """
+    label = _label(module, "")
+    problems: list[str] = []
+    for state_path in sc.state_shardings:
+        found = _find_state(module, state_path)
+        if isinstance(found, str):
+            where = _where(module, "", state_path)
+            problems.append(f"{where}: sharding_config names a state that does not exist: {found}")
+    _, named, var_kw = forward_signature(type(module))
+    for kind, spec in (
+        ("in_src_shardings", sc.in_src_shardings),
+        ("in_dst_shardings", sc.in_dst_shardings),
+    ):
+        for arg in spec or {}:
+            if arg not in named and not var_kw:
+                problems.append(_unknown_argument(label, kind, arg, module, named))
+    return problems
+
+
+def _unknown_argument(
+    label: str, kind: str, arg: str, module: torch.nn.Module, named: frozenset[str]
+) -> str:
+    return (
+        f"{label}: {kind} names argument {arg!r}, which {type(module).__name__}.forward does "
+        f"not take; its arguments are {sorted(named)}"
+    )
 
 
 def _label(module: torch.nn.Module, path: str) -> str:
@@ -403,10 +445,7 @@ class _Planner:
             for arg, item in spec.items():
                 where = f"{_where(module, path, arg)} ({kind})"
                 if arg not in named and not var_kw:
-                    self.problems.append(
-                        f"{label}: {kind} names argument {arg!r}, which {type(module).__name__}."
-                        f"forward does not take; its arguments are {sorted(named)}"
-                    )
+                    self.problems.append(_unknown_argument(label, kind, arg, module, named))
                     continue
                 placements = self._resolve(item, where, mesh)
                 if placements is not None:

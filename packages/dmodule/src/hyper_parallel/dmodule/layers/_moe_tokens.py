@@ -6,19 +6,29 @@ DTensor redistribution), so ``CommDebugMode`` counts them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, collectives
 
-if TYPE_CHECKING:  # annotations only: moe.py imports this file
-    from hyper_parallel.dmodule.layers.moe import GroupedExperts
-
 EP = MeshAxisName.EP
 ETP = "etp"  # not a MeshAxisName member: those are upstream's values
 TP_AXIS = axis_name(MeshAxisName.TP)
+
+
+class _Experts(Protocol):
+    """What the token paths use of ``GroupedExperts`` (moe.py, which imports this file).
+
+    Its first weight (whose mesh says how ``ep``/``etp`` split the experts) and its call on
+    tokens grouped by expert with the count per local expert.
+    """
+
+    @property
+    def w1(self) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -29,7 +39,7 @@ def _axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(mesh.mesh_dim_names or (str(i) for i in range(mesh.ndim)))
 
 
-def _token_layout(experts: GroupedExperts, x: DTensor) -> tuple[int, bool] | None:
+def _token_layout(experts: _Experts, x: DTensor) -> tuple[int, bool] | None:
     """Where ``x``'s tokens lie over ``tp`` and whether each tp rank runs only its share.
 
     None: no ``tp`` axis of more than one rank (the tokens on each rank are its own).
@@ -96,7 +106,7 @@ def _gather_shares(
     return shares.redistribute(mesh, [Replicate()]).to_local()
 
 
-def _expert_axes(experts: GroupedExperts) -> tuple[DeviceMesh | None, bool, bool]:
+def _expert_axes(experts: _Experts) -> tuple[DeviceMesh | None, bool, bool]:
     """The mesh of the expert weights and whether ``ep`` / ``etp`` split them (size > 1)."""
     w1 = experts.w1
     if not isinstance(w1, DTensor):
@@ -108,7 +118,7 @@ def _expert_axes(experts: GroupedExperts) -> tuple[DeviceMesh | None, bool, bool
     return mesh, ep, etp
 
 
-def _run_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _run_experts(experts: _Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The experts' outputs for ``x`` grouped by expert (``counts`` per global expert).
 
     Under expert parallelism: one all-to-all of the counts, one of the tokens to the ranks

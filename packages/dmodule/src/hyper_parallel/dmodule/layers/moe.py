@@ -258,8 +258,8 @@ class MoE(Module):
       optimizer step) moves the bias by ``coeff * sign(mean - count)`` of the global counts.
     - ``aux_loss_coeff``: the forward keeps ``aux_loss`` =
       ``coeff * E * sum_e(f_e * P_e)`` (transformers' load-balancing loss, one layer; ``f_e``
-      the share of tokens routed to ``e``, ``P_e`` its mean probability); add
-      :func:`moe_aux_loss` of the model to the training loss.
+      the share of tokens routed to ``e``, ``P_e`` its mean probability; 0 when no token
+      was routed); add :func:`moe_aux_loss` of the model to the training loss.
 
     Example::
 
@@ -388,8 +388,7 @@ class MoE(Module):
             with torch.no_grad():
                 _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
         if cfg.aux_loss_coeff > 0:
-            share = counts.to(probs.dtype) / tokens.shape[0]
-            self.aux_loss = cfg.aux_loss_coeff * cfg.num_experts * (share * probs.mean(0)).sum()
+            self.aux_loss = _load_balance_loss(counts, probs, cfg.aux_loss_coeff)
         return weights, chosen
 
     def _combine(
@@ -451,6 +450,19 @@ class MoE(Module):
         return DTensor.from_local(out, mesh, placements, shape=x.shape, stride=x.stride())
 
 
+def _load_balance_loss(counts: torch.Tensor, probs: torch.Tensor, coeff: float) -> torch.Tensor:
+    """``coeff * E * sum_e(f_e * P_e)`` over the ``T`` tokens of ``probs`` (``[T, E]``).
+
+    No token routed (``T == 0``): 0, the value of an empty mean (no token, no imbalance),
+    not the NaN of ``0 / 0`` that would poison the training loss it is added to; still
+    on the router's graph, so a backward gives its weights a zero gradient.
+    """
+    if probs.shape[0] == 0:
+        return probs.sum() * 0.0
+    share = counts.to(probs.dtype) / probs.shape[0]
+    return coeff * probs.shape[1] * (share * probs.mean(0)).sum()
+
+
 def _local_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else _local(t)
 
@@ -463,6 +475,8 @@ def _moe_layers(model: torch.nn.Module) -> Iterator[MoE]:
 
 def moe_aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
     """The sum of every ``MoE`` layer's auxiliary loss from the last forward (None: none kept).
+
+    A layer that routed no token in its last forward adds 0 (not NaN).
 
     Example::
 

@@ -1,5 +1,5 @@
-"""What the reference models' plans share: head-count checks, compile, FSDP's mixed precision,
-the pipeline call.
+"""What the reference models' plans share: head-count checks, compile, FSDP's mesh and mixed
+precision, the pipeline call.
 
 Each model's plan still lives in its own file (``llama_sharding.py``, ``qwen3_sharding.py``);
 what is the same logic in both (and in their Configs' checks) is written once here and
@@ -9,7 +9,7 @@ called from there.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -17,6 +17,7 @@ from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule._checks import require_positive
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.base_model import BaseModel
+from hyper_parallel.dmodule.context_parallel import CP_AXIS
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, pipeline
@@ -25,9 +26,11 @@ from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.dtensor.fsdp import MixedPrecisionPolicy
 
 __all__ = [
+    "DataParallelMesh",
     "apply_compile",
     "check_head_sizes",
     "check_heads_divide_tp",
+    "data_parallel_mesh",
     "mp_policy",
     "pipeline_with_loss",
     "tp_size",
@@ -117,6 +120,48 @@ def check_heads_divide_tp(
             f"{where}: n_heads ({config.n_heads}) and n_kv_heads ({n_kv}) must "
             f"divide by the size of mesh axis 'tp' ({tp})"
         )
+
+
+class DataParallelMesh(NamedTuple):
+    """What ``fully_shard`` runs over (``mesh``) and how many ranks read different data (``dp``)."""
+
+    mesh: DeviceMesh
+    dp: int
+
+
+def data_parallel_mesh(
+    mesh: DeviceMesh | ParallelDims, *, cp: int = 1, where: str
+) -> DataParallelMesh | None:
+    """The data-parallel mesh a plan's ``apply_fsdp`` shards over (``None``: no FSDP here).
+
+    A :class:`ParallelDims` gives its ``fsdp_mesh`` (``dp_shard`` x ``cp`` flattened, with
+    ``dp_replicate`` for HSDP) when ``fsdp_enabled``. A mesh gives its ``dp_shard`` axis, with
+    ``dp_replicate`` when that has more than one rank (HSDP), and none without a ``dp_shard``
+    axis. A model split over ``cp > 1`` ranks on a plain mesh shards over ``(dp_shard, cp)``
+    (replicated over ``dp_shard``, sharded over ``cp``); with ``dp_replicate`` too, that is
+    refused, naming ``where``: only a ParallelDims lays out all three.
+
+    Example::
+
+        >>> data_parallel_mesh(ParallelDims(tp=2, world_size=2), where="apply_fsdp") is None
+        True
+    """
+    if isinstance(mesh, ParallelDims):
+        return DataParallelMesh(mesh.fsdp_mesh, mesh.dp) if mesh.fsdp_enabled else None
+    names = tuple(mesh.mesh_dim_names or ())
+    shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
+    if shard not in names:
+        return None
+    hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
+    if cp > 1 and hsdp:
+        raise ValueError(
+            f"{where}: dp_replicate x dp_shard x cp on a plain DeviceMesh is not supported; "
+            "pass a ParallelDims (its fsdp view flattens dp_shard x cp)"
+        )
+    dp = mesh.size(names.index(shard)) * (mesh.size(names.index(replicate)) if hsdp else 1)
+    if cp > 1:
+        return DataParallelMesh(mesh[(shard, CP_AXIS)], dp)
+    return DataParallelMesh(mesh[(replicate, shard)] if hsdp else mesh[shard], dp)
 
 
 def apply_compile(model: _M) -> _M:

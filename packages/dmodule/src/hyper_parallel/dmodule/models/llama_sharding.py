@@ -58,6 +58,7 @@ from hyper_parallel.dmodule.layers import (
 from hyper_parallel.dmodule.models._sharding import (
     apply_compile,
     check_heads_divide_tp,
+    data_parallel_mesh,
     mp_policy,
 )
 from hyper_parallel.dmodule.module import Module
@@ -399,29 +400,10 @@ def apply_fsdp(
         model = parallelize_llama(Llama.Config().build(), mesh)   # TP, then FSDP
     """
     cp = model.context_parallel.size if model.context_parallel is not None else 1
-    if isinstance(mesh, ParallelDims):
-        if not mesh.fsdp_enabled:
-            return model
-        dp_mesh = mesh.fsdp_mesh  # dp_shard x cp: FSDP sums the cp ranks' gradients too
-        data_parallel = mesh.dp
-    else:
-        names = tuple(mesh.mesh_dim_names or ())
-        shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
-        if shard not in names:
-            return model
-        hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-        if cp > 1 and hsdp:
-            raise ValueError(
-                "apply_fsdp: dp_replicate x dp_shard x cp on a plain DeviceMesh is not "
-                "supported; pass a ParallelDims (its fsdp view flattens dp_shard x cp)"
-            )
-        data_parallel = mesh.size(names.index(shard)) * (
-            mesh.size(names.index(replicate)) if hsdp else 1
-        )
-        if cp > 1:  # HSDP: replicated over dp_shard, sharded over cp
-            dp_mesh = mesh[(shard, CP_AXIS)]
-        else:
-            dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    resolved = data_parallel_mesh(mesh, cp=cp, where="apply_fsdp")
+    if resolved is None:
+        return model
+    dp_mesh, data_parallel = resolved  # with cp: FSDP sums the cp ranks' gradients too
     if cp > 1:
         # FSDP's reduction over cp replaces the gradient hooks of apply_cp
         hooks = model.__dict__.pop("_cp_grad_hooks", None)

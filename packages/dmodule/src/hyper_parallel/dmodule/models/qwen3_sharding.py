@@ -49,6 +49,7 @@ from hyper_parallel.dmodule.layers import (
 from hyper_parallel.dmodule.models._sharding import (
     apply_compile,
     check_heads_divide_tp,
+    data_parallel_mesh,
     mp_policy,
 )
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
@@ -270,7 +271,7 @@ def apply_tp(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> Qwen3:
         Module.parallelize(model, mesh)
     except BaseException:
         for module, sharding in restore:  # a refused layout leaves the model as it was
-            module._sharding_config = sharding
+            module.set_sharding_config(sharding)
         raise
     return model
 
@@ -292,8 +293,7 @@ def _use_expert_tensor_parallel(model: Qwen3) -> list[tuple[Module, ShardingConf
             (moe, block_sharding(sequence_parallel=sequence_parallel)),
             (moe.experts, expert_sharding(etp=True)),
         ):
-            changed.append((module, module._sharding_config))
-            module._sharding_config = sharding
+            changed.append((module, module.set_sharding_config(sharding)))
     return changed
 
 
@@ -314,17 +314,10 @@ def apply_fsdp(
 
         model = parallelize_qwen3(Qwen3.Config().build(), ParallelDims(dp_shard=2, tp=2))
     """
-    if isinstance(mesh, ParallelDims):
-        if not mesh.fsdp_enabled:
-            return model
-        dp_mesh = mesh.fsdp_mesh
-    else:
-        names = tuple(mesh.mesh_dim_names or ())
-        shard, replicate = axis_name(MeshAxisName.DP_SHARD), axis_name(MeshAxisName.DP_REPLICATE)
-        if shard not in names:
-            return model
-        hsdp = replicate in names and mesh.size(names.index(replicate)) > 1
-        dp_mesh = mesh[(replicate, shard)] if hsdp else mesh[shard]
+    resolved = data_parallel_mesh(mesh, where="apply_fsdp")
+    if resolved is None:
+        return model
+    dp_mesh = resolved.mesh
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     expert_params = _expert_parameters(model, mesh, policy)
     expert_ids = {id(p) for p in expert_params}
