@@ -69,7 +69,51 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="also resolve 'module:function' callables of the job from MODULE (repeatable)",
     )
+    _add_plan_arguments(parser)
     return parser
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--plan`` and its options (hyper_parallel.train.plan)."""
+    group = parser.add_argument_group(
+        "layout planner",
+        "--plan --world-size N --device-memory GIB: rank the layouts of the job's model, "
+        "sequence and global batch on N ranks, each measured by the dry run",
+    )
+    group.add_argument(
+        "--plan",
+        action="store_true",
+        help="search dp_replicate/dp_shard/cp/tp/pp/ep/etp, activation checkpointing and "
+        "microbatches; print the layouts that fit, fastest (estimated) first",
+    )
+    group.add_argument(
+        "--device-memory", type=float, default=None, metavar="GIB", help="each rank's memory"
+    )
+    group.add_argument(
+        "--device",
+        default="h100",
+        help="the accelerator: h100, h200, h800, a100, a800, mi300x, 910b (default h100)",
+    )
+    group.add_argument(
+        "--gpus-per-node", type=int, default=None, metavar="G", help="default: the device's (8)"
+    )
+    group.add_argument("--peak-tflops", type=float, default=None, help="the device's peak")
+    group.add_argument(
+        "--intra-node-gbps", type=float, default=None, help="GB/s per device inside a node"
+    )
+    group.add_argument(
+        "--inter-node-gbps", type=float, default=None, help="GB/s per device across nodes"
+    )
+    group.add_argument(
+        "--plan-out", default=None, metavar="TOML", help="write the best layout as a job file"
+    )
+    group.add_argument(
+        "--plan-top", type=int, default=5, metavar="K", help="stop once K layouts fit (5)"
+    )
+    if "--json" not in parser._option_string_actions:  # --dry-run's too, wherever defined
+        group.add_argument(
+            "--json", action="store_true", help="print one JSON object on stdout, nothing else"
+        )
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, JobConfig]:
@@ -149,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(job))
         return 0
+    if args.plan:
+        return _plan(args, job)
     from hyper_parallel.train.trainer import resolve_world
 
     try:
@@ -207,6 +253,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _plan(args: argparse.Namespace, job: JobConfig) -> int:
+    """``--plan``: 0 when a layout fits, 1 when none does, 2 on bad input."""
+    from hyper_parallel.train.plan_report import plan_command
+
+    try:
+        return plan_command(
+            job,
+            world_size=args.world_size,
+            device_memory_gib=args.device_memory,
+            device=args.device,
+            gpus_per_node=args.gpus_per_node,
+            peak_tflops=args.peak_tflops,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            as_json=args.json,
+            plan_out=args.plan_out,
+            top=args.plan_top,
+            allow_imports=tuple(args.allow_import),
+        )
+    except (ConfigError, FileNotFoundError, ModuleNotFoundError) as error:
+        print(f"hp-train: error: {error}", file=sys.stderr)
+        return 2
 
 
 class _Interrupts:
