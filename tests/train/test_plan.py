@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from tests.train._jobs import TINY_MODEL
 
 from hyper_parallel.train.cli import main
-from hyper_parallel.train.config import JobConfig
+from hyper_parallel.train.config import JobConfig, load_job
 from hyper_parallel.train.plan import Measured, NoLayoutError, PlanRequest, enumerate_layouts, plan
 from hyper_parallel.train.plan_cost import (
     MATMUL_EFFICIENCY,
@@ -25,14 +28,76 @@ def _dry_run_bytes(job: JobConfig, world: int) -> int:
     """The oracle: a dry run of its own (no cache shared with the planner)."""
     from hyper_parallel.train.dry_run import dry_run
 
-    assert job.parallelism.world_size == world
-    ranks, _ = dry_run(job)
-    return max(r.total for r in ranks)
+    return dry_run(job, world).max_total_bytes
 
 
 def _facts(*overrides: str) -> tuple[JobConfig, ModelFacts]:
     job = JobConfig().apply_overrides(list(overrides))
     return job, model_facts(build_model_config(job, 257), job.training.seq_len)
+
+
+def test_plan_proposes_only_layouts_the_dry_run_puts_under_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a budget that the plain replicas (dp_replicate=2, no checkpointing) exceed
+    job = JobConfig().apply_overrides(TINY_MODEL)
+    replicas = _dry_run_bytes(Layout(dp_replicate=2, local_batch_size=2).apply(job), 2)
+    budget_gib = 0.97 * replicas / GIB
+    out = tmp_path / "best.toml"
+    argv = [*(f"--{o}" for o in TINY_MODEL), "--plan", "--world-size=2", "--json"]
+    argv += [f"--device-memory={budget_gib!r}", f"--plan-out={out}", "--plan-top=2"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)  # the one JSON object, nothing else
+    fitting = [c for c in report["candidates"] if c["fits"]]
+    assert fitting and report["candidates"][: len(fitting)] == fitting  # fits ranked first
+    times = [c["estimated_step_seconds"] for c in fitting]
+    assert times == sorted(times)
+    for c in fitting:
+        layout = Layout(
+            **c["parallelism"],
+            activation_checkpoint=c["activation_checkpoint"],
+            pipeline_microbatches=c["pipeline_microbatches"],
+            local_batch_size=c["local_batch_size"],
+            gradient_accumulation_steps=c["gradient_accumulation_steps"],
+        )
+        measured = _dry_run_bytes(layout.apply(job), 2)
+        assert measured <= budget_gib * GIB
+        assert abs(measured - c["max_total_bytes"]) <= 0.01 * measured
+    assert all(
+        c["max_total_bytes"] > budget_gib * GIB for c in report["candidates"] if not c["fits"]
+    )
+    # --plan-out: the best layout as a job hp-train --config runs, the same bytes in --dry-run
+    written = load_job(out)
+    best = fitting[0]
+    assert {k: getattr(written.parallelism, k) for k in best["parallelism"]} == best["parallelism"]
+    assert written.parallelism.activation_checkpoint == best["activation_checkpoint"]
+    again = _dry_run_bytes(written, 2)
+    assert abs(again - best["max_total_bytes"]) <= 0.01 * again
+
+
+def test_plan_refuses_a_model_that_fits_nowhere_naming_the_smallest_need(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [*(f"--{o}" for o in TINY_MODEL), "--plan", "--world-size=2", "--device-memory=1e-6"]
+    assert main([*argv, "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["candidates"] and not any(c["fits"] for c in report["candidates"])
+    assert "nothing fits in 1e-06 GiB per rank on 2 ranks" in captured.err
+    # the smallest it names is the least of the measured layouts, in the dry run's bytes
+    smallest = report["candidates"][0]
+    assert smallest["max_total_bytes"] == min(c["max_total_bytes"] for c in report["candidates"])
+    layout = Layout(
+        **smallest["parallelism"],
+        activation_checkpoint=smallest["activation_checkpoint"],
+        local_batch_size=smallest["local_batch_size"],
+        gradient_accumulation_steps=smallest["gradient_accumulation_steps"],
+    )
+    want = _dry_run_bytes(layout.apply(JobConfig().apply_overrides(TINY_MODEL)), 2)
+    assert f"the smallest per-rank memory found is {want / GIB:.2f} GiB" in captured.err
+    assert layout.describe() in captured.err
+    assert main(argv) == 1
+    assert "(no layout fits)" in capsys.readouterr().out
 
 
 def test_plan_never_proposes_ep_without_experts_nor_cp_without_context_parallelism() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import signal
 import sys
@@ -44,8 +46,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="start no process: plan every rank on a fake process group and print per-rank "
-        "memory and the collectives per step",
+        help="start no process: simulate one rank per role (pipeline stage, uneven shards) on "
+        "fake tensors and torch's fake process group; print each role's memory and its ranks",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="with --dry-run or --plan: print one JSON object on stdout and nothing else there",
+    )
+    parser.add_argument(
+        "--dry-run-packed",
+        action="store_true",
+        help="with --dry-run: measure activations with two documents packed in each row",
     )
     parser.add_argument(
         "--dry-run-memory",
@@ -110,10 +122,6 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--plan-top", type=int, default=5, metavar="K", help="stop once K layouts fit (5)"
     )
-    if "--json" not in parser._option_string_actions:  # --dry-run's too, wherever defined
-        group.add_argument(
-            "--json", action="store_true", help="print one JSON object on stdout, nothing else"
-        )
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, JobConfig]:
@@ -203,13 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         job = resolve_world(job, world)
         if args.dry_run:
-            from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
-
-            ranks, counts = dry_run(job, allow_imports=tuple(args.allow_import))
-            print(format_report(job, ranks, counts))
-            if args.dry_run_memory is not None:
-                check_memory(ranks, args.dry_run_memory)
-            return 0
+            return _dry_run(job, world, args)
     except (ConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as error:
         print(f"hp-train: error: {error}", file=sys.stderr)
         return 2
@@ -277,6 +279,23 @@ def _plan(args: argparse.Namespace, job: JobConfig) -> int:
     except (ConfigError, FileNotFoundError, ModuleNotFoundError) as error:
         print(f"hp-train: error: {error}", file=sys.stderr)
         return 2
+
+
+def _dry_run(job: JobConfig, world: int, args: argparse.Namespace) -> int:
+    """``--dry-run``: the table (or ``--json``'s object, alone on stdout), then the budget."""
+    from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
+
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the report alone
+        report = dry_run(
+            job, world, allow_imports=tuple(args.allow_import), packed=args.dry_run_packed
+        )
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_report(job, report))
+    if args.dry_run_memory is not None:
+        check_memory(report, args.dry_run_memory)
+    return 0
 
 
 class _Interrupts:

@@ -443,13 +443,14 @@ def dry_run_memory() -> MemoryFn:
         measure = dry_run_memory()
         measure(job, 8).max_total_bytes
     """
-    from hyper_parallel.train.dry_run import dry_run
+    from hyper_parallel.train.dry_run import DryRunCache, dry_run
+
+    cache = DryRunCache()
 
     def measure(job: JobConfig, world: int) -> Measured:
-        del world  # the job's degrees multiply to it
-        ranks, _ = dry_run(job)
-        busiest = max(ranks, key=lambda r: r.total)
-        states = max(r.params + r.grads + r.optimizer for r in ranks)
-        return Measured(busiest.total, states, (busiest.rank,))
+        report = dry_run(job, world, cache=cache)
+        busiest = max(report.roles, key=lambda r: r.total_bytes)
+        states = max(r.params_bytes + r.grads_bytes + r.optimizer_bytes for r in report.roles)
+        return Measured(report.max_total_bytes, states, tuple(busiest.ranks))
 
     return measure
