@@ -1,7 +1,8 @@
-"""``--dry-run``: every rank's bytes from the job alone (fake process group), and its refusal."""
+"""``--dry-run``: each role's bytes from the job alone (fake tensors, fake process group)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,26 +19,29 @@ def test_dry_run_gives_each_ranks_fully_sharded_bytes_and_refuses_over_the_limit
     from hyper_parallel.train.dry_run import check_memory, dry_run
 
     job = tiny_job(write_corpus(tmp_path), "parallelism.dp_shard=2")
-    ranks, counts = dry_run(job)
+    report = dry_run(job, 2)
     # the oracle: each parameter of the one-process model split along dim 0 as torch.chunk does
     with torch.device("meta"):
         full = build_model_config(job, 257).build()
+    by_rank = {r: role for role in report.roles for r in role.ranks}
+    assert sorted(by_rank) == [0, 1]
     for rank in (0, 1):
         want = sum(
             torch.chunk(p, 2)[rank].numel() * 4 if len(torch.chunk(p, 2)) > rank else 0
             for p in full.parameters()
         )
-        assert ranks[rank].params == want
-        assert ranks[rank].optimizer == 2 * want  # AdamW's two moments
-    assert counts is not None and counts["reduce_scatter"] > 0  # FSDP's gradient reduction
-    with pytest.raises(ValueError, match=r"rank \d needs .* over --dry-run-memory 1e-05 GiB"):
-        check_memory(ranks, 1e-5)
+        assert by_rank[rank].params_bytes == want
+        tensors = len(list(full.parameters()))
+        assert by_rank[rank].optimizer_bytes == 2 * want + 4 * tensors  # moments and steps
+    with pytest.raises(ValueError, match=r"stage 0 \(ranks 0\) needs .* over --dry-run-memory"):
+        check_memory(report, 1e-5)
     # the command: the table on stdout, status 2 over the limit, no process started
     # dp_shard = -1 with --world-size: the rest of the world, planned as the explicit 2
     argv = ["--parallelism.dp_shard=-1", "--world-size=2", f"--data.path={tmp_path}", "--dry-run"]
     assert main(argv) == 0
     table = capsys.readouterr().out
-    assert "on 2 ranks (dp_replicate=1 dp_shard=2 tp=1 pp=1)" in table
-    assert "collectives per step (rank 0)" in table
+    assert "on 2 ranks (dp_replicate=1 dp_shard=2 cp=1 tp=1 pp=1" in table
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2
     assert main([f"--data.path={tmp_path}", "--dry-run", "--dry-run-memory", "0.00001"]) == 2
     assert "largest tensors: " in capsys.readouterr().err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import signal
 import sys
@@ -44,8 +46,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="start no process: plan every rank on a fake process group and print per-rank "
-        "memory and the collectives per step",
+        help="start no process: simulate one rank per role (pipeline stage, uneven shards) on "
+        "fake tensors and torch's fake process group; print each role's memory and its ranks",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="with --dry-run or --plan: print one JSON object on stdout and nothing else there",
+    )
+    parser.add_argument(
+        "--dry-run-packed",
+        action="store_true",
+        help="with --dry-run: measure activations with two documents packed in each row",
     )
     parser.add_argument(
         "--dry-run-memory",
@@ -69,7 +81,47 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="also resolve 'module:function' callables of the job from MODULE (repeatable)",
     )
+    _add_plan_arguments(parser)
     return parser
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--plan`` and its options (hyper_parallel.train.plan)."""
+    group = parser.add_argument_group(
+        "layout planner",
+        "--plan --world-size N --device-memory GIB: rank the layouts of the job's model, "
+        "sequence and global batch on N ranks, each measured by the dry run",
+    )
+    group.add_argument(
+        "--plan",
+        action="store_true",
+        help="search dp_replicate/dp_shard/cp/tp/pp/ep/etp, activation checkpointing and "
+        "microbatches; print the layouts that fit, fastest (estimated) first",
+    )
+    group.add_argument(
+        "--device-memory", type=float, default=None, metavar="GIB", help="each rank's memory"
+    )
+    group.add_argument(
+        "--device",
+        default="h100",
+        help="the accelerator: h100, h200, h800, a100, a800, mi300x, 910b (default h100)",
+    )
+    group.add_argument(
+        "--gpus-per-node", type=int, default=None, metavar="G", help="default: the device's (8)"
+    )
+    group.add_argument("--peak-tflops", type=float, default=None, help="the device's peak")
+    group.add_argument(
+        "--intra-node-gbps", type=float, default=None, help="GB/s per device inside a node"
+    )
+    group.add_argument(
+        "--inter-node-gbps", type=float, default=None, help="GB/s per device across nodes"
+    )
+    group.add_argument(
+        "--plan-out", default=None, metavar="TOML", help="write the best layout as a job file"
+    )
+    group.add_argument(
+        "--plan-top", type=int, default=5, metavar="K", help="stop once K layouts fit (5)"
+    )
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, JobConfig]:
@@ -166,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(job))
         return 0
+    if args.plan:
+        return _plan(args, job)
     from hyper_parallel.train.trainer import resolve_world
 
     try:
@@ -174,13 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         job = resolve_world(job, world)
         if args.dry_run:
-            from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
-
-            ranks, counts = dry_run(job, allow_imports=tuple(args.allow_import))
-            print(format_report(job, ranks, counts))
-            if args.dry_run_memory is not None:
-                check_memory(ranks, args.dry_run_memory)
-            return 0
+            return _dry_run(job, world, args)
     except (ConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as error:
         print(f"hp-train: error: {error}", file=sys.stderr)
         return 2
@@ -223,6 +271,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"[hp-train] {world} rank(s) finished in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,
     )
+    return 0
+
+
+def _plan(args: argparse.Namespace, job: JobConfig) -> int:
+    """``--plan``: 0 when a layout fits, 1 when none does, 2 on bad input."""
+    from hyper_parallel.train.plan_report import plan_command
+
+    try:
+        return plan_command(
+            job,
+            world_size=args.world_size,
+            device_memory_gib=args.device_memory,
+            device=args.device,
+            gpus_per_node=args.gpus_per_node,
+            peak_tflops=args.peak_tflops,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            as_json=args.json,
+            plan_out=args.plan_out,
+            top=args.plan_top,
+            allow_imports=tuple(args.allow_import),
+        )
+    except (ConfigError, FileNotFoundError, ModuleNotFoundError) as error:
+        print(f"hp-train: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _dry_run(job: JobConfig, world: int, args: argparse.Namespace) -> int:
+    """``--dry-run``: the table (or ``--json``'s object, alone on stdout), then the budget."""
+    from hyper_parallel.train.dry_run import check_memory, dry_run, format_report
+
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds the report alone
+        report = dry_run(
+            job, world, allow_imports=tuple(args.allow_import), packed=args.dry_run_packed
+        )
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_report(job, report))
+    if args.dry_run_memory is not None:
+        check_memory(report, args.dry_run_memory)
     return 0
 
 

@@ -1,19 +1,23 @@
-"""``hp-train --dry-run``: every rank's plan and memory from the job alone, on a fake process group.
+"""``hp-train --dry-run``: each role's memory from the job alone, one simulated rank per role.
 
-No process is started: this process plays each rank of the configured world in turn through
-torch's fake process group (``torch.testing._internal.distributed.fake_pg``: collectives
-return at once), builds the model on the meta device and applies the same
-``parallelize``/``pipeline`` the run would, then counts this rank's local bytes. One
-microbatch step on rank 0 (when its shards fit in host memory) counts the collectives.
+No process starts and nothing real is allocated or computed. One rank of the world
+without its ``pp`` axis (ranks of every stage shard the same way) builds the model with
+one block of each kind on the meta device, through torch's fake process group, and
+applies the job's own ``parallelize`` (TP, SP, CP, EP, activation checkpointing, FSDP).
+From its parameters' DTensor layouts every rank's exact local bytes follow (uneven shards
+included); the stages' blocks come from the pipeline's even split. One microbatch's forward
+over fake tensors (:mod:`hyper_parallel.train.saved_tensors`) measures what each block, the
+embedding and the head save for backward; a stage's activations are its blocks' sum. Ranks
+whose bytes agree form one role: the report has one row per role.
 """
 
 from __future__ import annotations
 
-import gc
-import heapq
+import inspect
+import math
 import warnings
-from collections import Counter
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,198 +25,589 @@ import torch.distributed as dist
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule import get_spec
-from hyper_parallel.dmodule.models.training import train_step
-from hyper_parallel.dtensor import DTensor, FallbackWarning, collectives
+from hyper_parallel.dmodule.activation_checkpoint import is_checkpointed
+from hyper_parallel.dmodule.pipeline import even_starts
+from hyper_parallel.dtensor import DTensor, FallbackWarning, Replicate
+from hyper_parallel.dtensor._spec import local_shape_and_offset
+from hyper_parallel.dtensor.fsdp import FSDPModule
 from hyper_parallel.train.config import JobConfig, batch_layout
+from hyper_parallel.train.saved_tensors import (
+    SavedTensors,
+    fake_world,
+    parameter_storages,
+)
 from hyper_parallel.train.tokenizer import build_tokenizer
-from hyper_parallel.train.trainer import build_model_config, model_job_config, parallel_dims
+from hyper_parallel.train.trainer import (
+    autocast_dtype,
+    build_model_config,
+    check_layout,
+    mixed_precision_policy,
+    model_job_config,
+    parallel_dims,
+    resolve_world,
+)
 
-__all__ = ["RankMemory", "dry_run", "format_report"]
+__all__ = ["DryRunCache", "DryRunReport", "RoleReport", "check_memory", "dry_run", "format_report"]
 
 GIB = 2**30
-#: Rank 0's collectives are counted by running one step when its shards need less than this.
-TRACE_LIMIT_BYTES = 2 * GIB
+#: Mesh axes FSDP shards over: what an unsharded parameter gathers.
+_FSDP_AXES = frozenset({"fsdp", "dp_shard", "dp_replicate", "efsdp", "dp_shard_cp", "dp"})
+#: Schedules that run every microbatch's forward before any backward.
+_ALL_FORWARD_FIRST = frozenset({"gpipe", "loopedbfs"})
 
 
 @dataclass
-class RankMemory:
-    """One rank's bytes: parameters, gradients, AdamW's two moments, activations of a microbatch."""
+class RoleReport:
+    """The ranks that hold the same bytes, and those bytes (one microbatch's activations)."""
 
-    rank: int
-    params: int
-    grads: int
-    optimizer: int
-    activations: int | None
-    largest: list[tuple[int, str]] = field(default_factory=list)
+    ranks: list[int]
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    total_bytes: int
+    #: the largest parameter shards and saved activations: ``(bytes, name)``
+    largest: list[tuple[int, str]]
+    stage: int = 0
+    #: microbatches whose activations a stage holds at once under the schedule
+    microbatches_in_flight: int = 1
+    #: the largest FSDP group unsharded (forward and backward prefetch) and its gradients
+    fsdp_unsharded_bytes: int = 0
+    #: the logits' gradient (last stage) or the activation sent on (other stages)
+    output_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The role as plain JSON values."""
+        return {
+            "ranks": self.ranks,
+            "stage": self.stage,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activations_bytes": self.activations_bytes,
+            "microbatches_in_flight": self.microbatches_in_flight,
+            "fsdp_unsharded_bytes": self.fsdp_unsharded_bytes,
+            "output_bytes": self.output_bytes,
+            "total_bytes": self.total_bytes,
+            "largest": [[size, name] for size, name in self.largest],
+        }
+
+
+@dataclass
+class DryRunReport:
+    """Every role of a job's world; the roles cover every rank exactly once."""
+
+    world_size: int
+    roles: list[RoleReport]
+    model: str = ""
+    layout: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def total(self) -> int:
-        """Everything above (activations counted once: one microbatch in flight)."""
-        return self.params + self.grads + self.optimizer + (self.activations or 0)
+    def max_total_bytes(self) -> int:
+        """The busiest role's total."""
+        return max(r.total_bytes for r in self.roles)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"world_size", "model", "layout", "roles": [...], "max_total_bytes"}``."""
+        return {
+            "world_size": self.world_size,
+            "model": self.model,
+            "layout": self.layout,
+            "roles": [r.to_json() for r in self.roles],
+            "max_total_bytes": self.max_total_bytes,
+        }
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
+@dataclass
+class _Pieces:
+    """One sub-layout's measurements: per piece (``first``, ``last``, a block kind) of the model."""
+
+    #: per sub-rank: piece -> (bytes, parameter tensors)
+    rank_bytes: list[dict[str, tuple[int, int]]]
+    #: piece -> unsharded bytes of its largest FSDP group (params in param_dtype, grads)
+    fsdp_groups: dict[str, tuple[int, int]]
+    largest_params: list[tuple[int, str]]
 
 
-def activation_bytes(model_config: Any, job: JobConfig, local_batch: int) -> int | None:
-    """A per-microbatch estimate of a transformer's saved activations on one rank (or None).
+@dataclass
+class _Activations:
+    """One microbatch: saved bytes per piece, recompute per kind, the head's output."""
 
-    Korthikanti et al. (2022), per layer, 2-byte values: ``s b h (10 + 24/t + 5 a s / (h t))``
-    with tensor parallelism ``t``, doubled for float32; full activation checkpointing keeps
-    each block's input only, plus one block's worth during its recompute; plus the logits.
+    pieces: dict[str, int]
+    recompute: dict[str, int]
+    boundary: int
+    logits: int
+    largest: list[tuple[int, str]]
 
-    Example::
 
-        >>> from hyper_parallel.dmodule.models.llama import Llama
-        >>> activation_bytes(Llama.Config(), JobConfig(), 8) > 0
-        True
+@dataclass
+class DryRunCache:
+    """Measurements kept across dry runs of the same model: the planner's many layouts.
+
+    Parameter tables are keyed by the model and every degree but ``pp``; activations by
+    what they depend on (the model, sequence, microbatch, tp/cp/ep/etp, checkpointing,
+    compute dtype), not by ``dp_shard``, ``dp_replicate`` or ``pp``.
     """
-    try:
-        h, a, layers = model_config.dim, model_config.n_heads, model_config.n_layers
-        vocab = model_config.vocab_size
-    except AttributeError:
-        return None
-    s, b, t = job.training.seq_len, local_batch, job.parallelism.tp
-    pp = job.parallelism.pp
-    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * 2  # float32: twice 16-bit
-    layers_here = -(-layers // pp)
-    if job.parallelism.activation_checkpoint == "full":
-        blocks = layers_here * s * b * h * 4 + per_layer
-    else:
-        blocks = layers_here * per_layer
-    logits = s * b * vocab * 4 * 2 / t  # the logits and their softmax
-    return int(blocks + logits)
 
-
-def _plan_rank(job: JobConfig, model_config: Any, world: int) -> tuple[list[torch.nn.Module], Any]:
-    spec = get_spec(job.model.name)
-    dims = parallel_dims(job, world)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = model_config.build()
-    if job.parallelism.pp > 1:
-        assert spec.pipelining_fn is not None
-        pipe = spec.pipelining_fn(model, dims, model_job_config(job))
-        return list(pipe.model_parts), pipe
-    if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
-        model = spec.parallelize_fn(model, dims, model_job_config(job))
-    return [model], model
-
-
-def _count_collectives(
-    job: JobConfig, model: torch.nn.Module, local_batch: int, accumulation: int
-) -> Counter[str]:
-    model.to_empty(device="cpu")
-    torch.manual_seed(job.training.seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
-        model.init_weights()  # type: ignore[operator]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.optimizer.lr, foreach=False)
-    tokens = torch.zeros(local_batch, job.training.seq_len, dtype=torch.long)
-    counts: Counter[str] = Counter()
-
-    def record(entry: collectives.CollectiveRecord) -> None:
-        counts[entry.kind] += 1
-
-    with collectives.observe_collectives(record):
-        train_step(
-            model,
-            [(tokens, tokens)] * accumulation,
-            optimizer,
-            max_norm=job.training.max_norm,
-            skip_nonfinite=True,
-        )
-    return counts
+    pieces: dict[tuple[Any, ...], _Pieces] = field(default_factory=dict)
+    activations: dict[tuple[Any, ...], _Activations] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
 
 
 def dry_run(
-    job: JobConfig, *, allow_imports: tuple[str, ...] = ()
-) -> tuple[list[RankMemory], Counter[str] | None]:
-    """Each rank's memory and rank 0's collectives per step, without starting a process.
+    job: JobConfig,
+    world_size: int,
+    *,
+    cache: DryRunCache | None = None,
+    allow_imports: tuple[str, ...] = (),
+    packed: bool = False,
+) -> DryRunReport:
+    """Every role's memory for ``job`` on ``world_size`` ranks, without starting a process.
+
+    ``packed``: each microbatch row holds two documents (attention masked at the boundary).
 
     Example::
 
-        >>> ranks, counts = dry_run(JobConfig().apply_overrides(["parallelism.tp=2"]))  # doctest: +SKIP
+        >>> report = dry_run(JobConfig().apply_overrides(["parallelism.tp=2"]), 2)  # doctest: +SKIP
+        >>> report.roles[0].ranks
+        [0, 1]
     """
+    if dist.is_initialized():
+        raise RuntimeError("--dry-run plays its ranks itself: run it outside a process group")
+    job = resolve_world(job, world_size)
+    check_layout(job, world_size)
+    tokenizer = build_tokenizer(job.tokenizer.path)
+    config = build_model_config(job, tokenizer.vocab_size, allow_imports)
+    cache = cache if cache is not None else DryRunCache()
+    par = job.parallelism
+    sub_job = job.replace(parallelism=replace(par, pp=1, pipeline_microbatches=0))
+    sub_world = world_size // par.pp
+    local_batch, _ = batch_layout(job)
+    n_microbatches = (par.pipeline_microbatches or par.pp) if par.pp > 1 else 1
+    microbatch = local_batch // n_microbatches
+    spec = get_spec(job.model.name)
+    split = spec.pipeline_split
+    layers_attr = split.layers if split is not None else "layers"
+    first_names = tuple(split.first) if split is not None else ()
+    n_layers = int(getattr(config, "n_layers", 0))
+    kinds = [_layer_kind(config, j) for j in range(n_layers)]
+    reduced = _reduced_config(config, kinds)
+    config_key = repr(sorted(config.to_dict().items()))
+    pieces_key = (job.model.name, config_key, *_degrees(sub_job), _mp_key(job))
+    acts_key = (
+        job.model.name,
+        config_key,
+        job.training.seq_len,
+        microbatch,
+        packed,
+        par.tp,
+        par.cp,
+        par.ep,
+        par.etp,
+        par.activation_checkpoint,
+        _mp_key(job),
+        str(autocast_dtype(job)),
+    )
+    pieces = cache.pieces.get(pieces_key)
+    acts = cache.activations.get(acts_key)
+    if pieces is None or acts is None:
+        cache.misses += 1
+        measured_pieces, measured_acts = _simulate(
+            sub_job,
+            sub_world,
+            reduced,
+            layers_attr,
+            first_names,
+            [_layer_kind(reduced, j) for j in range(int(getattr(reduced, "n_layers", 0)))],
+            microbatch,
+            packed,
+            measure=acts is None,
+        )
+        pieces = pieces or measured_pieces
+        acts = acts or measured_acts
+        cache.pieces[pieces_key] = pieces
+        assert acts is not None
+        cache.activations[acts_key] = acts
+    else:
+        cache.hits += 1
+    roles = _roles(job, world_size, sub_world, pieces, acts, kinds, n_microbatches)
+    layout = {
+        k: getattr(par, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
+    }
+    layout["activation_checkpoint"] = par.activation_checkpoint
+    layout["pipeline_microbatches"] = n_microbatches
+    layout["microbatch"] = microbatch
+    return DryRunReport(
+        world_size, roles, model=f"{job.model.name} ({job.model.flavor})", layout=layout
+    )
+
+
+def _degrees(job: JobConfig) -> tuple[int, ...]:
+    p = job.parallelism
+    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp, hash(p.activation_checkpoint))
+
+
+def _mp_key(job: JobConfig) -> str:
+    policy = mixed_precision_policy(job)
+    return "none" if policy is None else f"{policy.param_dtype}/{policy.reduce_dtype}"
+
+
+def _layer_kind(config: Any, layer: int) -> str:
+    is_moe = getattr(config, "is_moe_layer", None)
+    if callable(is_moe):
+        return "moe block" if is_moe(layer) else "dense block"
+    return "block"
+
+
+def _reduced_config(config: Any, kinds: list[str]) -> Any:
+    """The config with the fewest leading blocks that hold one block of every kind."""
+    if not kinds:
+        return config
+    needed = max(kinds.index(k) for k in set(kinds)) + 1
+    changes: dict[str, Any] = {"n_layers": needed}
+    only = getattr(config, "mlp_only_layers", None)
+    if only is not None:
+        changes["mlp_only_layers"] = type(only)(i for i in only if i < needed)
+    return config.replace(**changes)
+
+
+# -- one simulated rank ----------------------------------------------------------------------
+def _simulate(
+    job: JobConfig,
+    world: int,
+    config: Any,
+    layers_attr: str,
+    first_names: tuple[str, ...],
+    kinds: list[str],
+    microbatch: int,
+    packed: bool,
+    *,
+    measure: bool,
+) -> tuple[_Pieces, _Activations | None]:
+    """Rank 0 of the pp-less world: its model, every rank's bytes, one microbatch's activations."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError("--dry-run plays every rank itself: run it outside a process group")
-    if job.parallelism.dp_shard == -1:
-        raise ConfigError(
-            "expected a number of ranks: resolve -1 (the rest of the world) first "
-            "(resolve_world(job, world_size); hp-train --dry-run --world-size N)",
-            path="parallelism.dp_shard",
-        )
-    tokenizer = build_tokenizer(job.tokenizer.path)
-    model_config = build_model_config(job, tokenizer.vocab_size, allow_imports)
-    local_batch, accumulation = batch_layout(job)
-    world = job.parallelism.world_size
-    activations = activation_bytes(model_config, job, local_batch)
-    ranks: list[RankMemory] = []
-    counts: Counter[str] | None = None
-    for rank in range(world):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        try:
-            parts, runnable = _plan_rank(job, model_config, world)
-            named = [(n, p) for part in parts for n, p in part.named_parameters()]
-            params = sum(_local_bytes(p) for _, p in named)
-            largest = heapq.nlargest(3, ((_local_bytes(p), n) for n, p in named))
-            ranks.append(RankMemory(rank, params, params, 2 * params, activations, largest))
-            if rank == 0 and job.parallelism.pp == 1 and params * 4 < TRACE_LIMIT_BYTES:
-                counts = _count_collectives(job, runnable, local_batch, accumulation)
-            del parts, runnable, named
-        finally:
-            # this rank's meshes must be gone before the next rank builds its own
-            gc.collect()
-            dist.destroy_process_group()
-    return ranks, counts
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        dims = parallel_dims(job, world)
+        dims.build_mesh("cpu")
+        spec = get_spec(job.model.name)
+        with torch.device("meta"):
+            model = config.build()
+        if spec.parallelize_fn is not None and (dims.tp_enabled or dims.fsdp_enabled):
+            model = spec.parallelize_fn(model, dims, model_job_config(job))
+        piece_of = _piece_namer(layers_attr, first_names, kinds)
+        pieces = _piece_bytes(model, piece_of, world, job)
+        acts = None
+        if measure:
+            acts = _measure(model, job, layers_attr, kinds, microbatch, packed)
+        return pieces, acts
+    finally:
+        dist.destroy_process_group()
 
 
-def format_report(job: JobConfig, ranks: list[RankMemory], counts: Counter[str] | None) -> str:
-    """The dry run's table: per-rank bytes, the activation estimate, rank 0's collectives."""
-    par = job.parallelism
-    lines = [
-        f"dry run: {job.model.name} ({job.model.flavor}) on {par.world_size} ranks "
-        f"(dp_replicate={par.dp_replicate} dp_shard={par.dp_shard} tp={par.tp} pp={par.pp}); "
-        "no process started",
-        f"  {'rank':>4}  {'params':>10}  {'grads':>10}  {'AdamW':>10}  {'activations':>12}  "
-        f"{'total':>10}",
-    ]
-    for r in ranks:
-        act = "n/a" if r.activations is None else _gib(r.activations)
-        lines.append(
-            f"  {r.rank:>4}  {_gib(r.params):>10}  {_gib(r.grads):>10}  {_gib(r.optimizer):>10}  "
-            f"{act:>12}  {_gib(r.total):>10}"
-        )
-    lines.append("  (activations: an estimate for one microbatch in flight)")
-    if counts is None:
-        lines.append("collectives per step: not traced (pipeline, or rank 0's shards too large)")
+def _piece_namer(layers_attr: str, first_names: tuple[str, ...], kinds: list[str]) -> Any:
+    prefix = f"{layers_attr}."
+
+    def piece_of(name: str) -> str:
+        if name.startswith(prefix):
+            return kinds[int(name[len(prefix) :].split(".")[0])]
+        return "first" if name.split(".")[0] in first_names else "last"
+
+    return piece_of
+
+
+def _coordinate(mesh_ranks: torch.Tensor, rank: int) -> list[int]:
+    """``rank``'s coordinate on a mesh laid out as a regular (row-major) slice of the world."""
+    base = int(mesh_ranks.reshape(-1)[0])
+    coordinate: list[int] = []
+    for axis, size in enumerate(mesh_ranks.shape):
+        if size == 1:
+            coordinate.append(0)
+            continue
+        step = int(mesh_ranks.select(axis, 1).reshape(-1)[0] - base)
+        coordinate.append(rank // step % size)
+    return coordinate
+
+
+def _local_numel(p: torch.Tensor, rank: int, *, unsharded: bool = False) -> int:
+    if not isinstance(p, DTensor):
+        return p.numel()
+    mesh = p.device_mesh
+    placements = list(p.placements)
+    if unsharded:
+        names = mesh.mesh_dim_names or ()
+        placements = [
+            Replicate() if n in _FSDP_AXES else pl for n, pl in zip(names, placements, strict=True)
+        ]
+        coordinate = [0] * mesh.ndim
     else:
-        listed = ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items())) or "none"
-        lines.append(f"collectives per step (rank 0): {listed}")
+        coordinate = _coordinate(mesh.mesh, rank)
+    shape, _ = local_shape_and_offset(
+        tuple(p.shape), tuple(mesh.mesh.shape), coordinate, placements
+    )
+    return math.prod(shape)
+
+
+def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConfig) -> _Pieces:
+    named = list(model.named_parameters())
+    rank_bytes: list[dict[str, tuple[int, int]]] = []
+    for rank in range(world):
+        table: dict[str, tuple[int, int]] = {}
+        for name, p in named:
+            nbytes, count = table.get(piece_of(name), (0, 0))
+            table[piece_of(name)] = (nbytes + _local_numel(p, rank) * p.element_size(), count + 1)
+        rank_bytes.append(table)
+    policy = mixed_precision_policy(job)
+    groups: dict[str, tuple[int, int]] = {}
+    names = {id(p): n for n, p in named}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        managed = _managed_params(module)
+        if not managed:
+            continue
+        piece = piece_of(names[id(managed[0])])
+        params = grads = 0
+        for p in managed:
+            numel = _local_numel(p, 0, unsharded=True)
+            compute = policy.param_dtype if policy and policy.param_dtype else p.dtype
+            reduce = policy.reduce_dtype if policy and policy.reduce_dtype else compute
+            params += numel * compute.itemsize
+            grads += numel * reduce.itemsize
+        if params > groups.get(piece, (0, 0))[0]:
+            groups[piece] = (params, grads)
+    largest = sorted(((_local_numel(p, 0) * p.element_size(), n) for n, p in named), reverse=True)[
+        :3
+    ]
+    return _Pieces(rank_bytes, groups, largest)
+
+
+def _managed_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``module``'s own FSDP group (not those of a nested one)."""
+    inner = {
+        id(p)
+        for sub in module.modules()
+        if sub is not module and isinstance(sub, FSDPModule)
+        for p in sub.parameters()
+    }
+    return [p for p in module.parameters() if id(p) not in inner]
+
+
+def _measure(
+    model: torch.nn.Module,
+    job: JobConfig,
+    layers_attr: str,
+    kinds: list[str],
+    microbatch: int,
+    packed: bool,
+) -> _Activations:
+    """One microbatch's forward and loss over fake tensors, counting the saved storages."""
+    layers = list(getattr(model, layers_attr, []))
+    counter = SavedTensors(label="first")
+    recompute: dict[str, int] = {}
+    boundary = [0]
+    logits = [0]
+    handles = []
+    for index, block in enumerate(layers):
+        handles.append(
+            block.register_forward_pre_hook(
+                _block_pre_hook(counter, f"{layers_attr}.{index}", kinds[index], recompute),
+                with_kwargs=True,
+            )
+        )
+        handles.append(block.register_forward_hook(_block_post_hook(counter, boundary)))
+
+    def head(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            local = output.to_local() if isinstance(output, DTensor) else output
+            logits[0] = local.numel() * local.element_size()
+
+    handles.append(model.register_forward_hook(head))
+    seq = job.training.seq_len
+    try:
+        with fake_world(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    t.zero_()  # no values exist: this marks every state written
+            before = parameter_storages([model])
+            tokens = torch.zeros(microbatch, seq, dtype=torch.long)
+            inputs: dict[str, torch.Tensor] = {}
+            if packed and "document_ids" in inspect.signature(model.loss).parameters:  # type: ignore[operator,arg-type]
+                ids = torch.zeros(microbatch, seq, dtype=torch.long)
+                ids[:, seq // 2 :] = 1
+                inputs["document_ids"] = ids
+            dtype = autocast_dtype(job)
+            cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
+            with counter.saving(), cast:
+                model.loss(tokens, tokens, **inputs)  # type: ignore[operator]
+            exclude = before | parameter_storages([model])
+            by_label = counter.bytes_by_label(exclude)
+            largest = counter.largest(exclude)
+    finally:
+        for h in handles:
+            h.remove()
+    pieces = {"first": by_label.get("first", 0), "last": by_label.get("last", 0)}
+    for index, kind in enumerate(kinds):
+        pieces.setdefault(kind, by_label.get(f"{layers_attr}.{index}", 0))
+    return _Activations(pieces, recompute, boundary[0], logits[0], largest)
+
+
+def _block_pre_hook(counter: SavedTensors, label: str, kind: str, recompute: dict[str, int]) -> Any:
+    def hook(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        counter.label = label
+        if not is_checkpointed(block):
+            return
+        # a checkpoint keeps its inputs; the rest is recomputed in backward, one block at a time
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                counter.add(t)
+        if kind not in recompute:
+            inner = block.__dict__["forward"]._run
+            replay = SavedTensors()
+            with torch.enable_grad(), replay.saving():
+                inner(*args, **kwargs)
+            recompute[kind] = sum(replay.bytes_by_label(parameter_storages([block])).values())
+
+    return hook
+
+
+def _block_post_hook(counter: SavedTensors, boundary: list[int]) -> Any:
+    def hook(block: torch.nn.Module, args: Any, output: Any) -> None:
+        counter.label = "last"
+        if isinstance(output, torch.Tensor):
+            local = output.to_local() if isinstance(output, DTensor) else output
+            boundary[0] = local.numel() * local.element_size()
+
+    return hook
+
+
+# -- roles -----------------------------------------------------------------------------------
+def _roles(
+    job: JobConfig,
+    world: int,
+    sub_world: int,
+    pieces: _Pieces,
+    acts: _Activations,
+    kinds: list[str],
+    n_microbatches: int,
+) -> list[RoleReport]:
+    par = job.parallelism
+    pp = par.pp
+    starts = even_starts(len(kinds), pp) if kinds else [0] * pp
+    roles: list[RoleReport] = []
+    for stage in range(pp):
+        end = starts[stage + 1] if stage + 1 < pp else len(kinds)
+        counts: dict[str, int] = {}
+        for kind in kinds[starts[stage] : end]:
+            counts[kind] = counts.get(kind, 0) + 1
+        held = dict(counts)
+        if stage == 0:
+            held["first"] = 1
+        if stage == pp - 1:
+            held["last"] = 1
+        per_mb = sum(acts.pieces.get(p, 0) * n for p, n in held.items())
+        recompute = max((acts.recompute.get(k, 0) for k in counts), default=0)
+        activations = per_mb + recompute
+        if pp == 1:
+            in_flight = 1
+        elif par.pipeline_schedule.lower() in _ALL_FORWARD_FIRST:
+            in_flight = n_microbatches
+        else:
+            in_flight = min(n_microbatches, pp - stage)
+        output = acts.logits if stage == pp - 1 else acts.boundary * in_flight
+        groups = [pieces.fsdp_groups[p] for p in held if p in pieces.fsdp_groups]
+        biggest = max(groups, default=(0, 0))
+        fsdp = 2 * biggest[0] + biggest[1]
+        by_bytes: dict[tuple[int, int], list[int]] = {}
+        for sub_rank, table in enumerate(pieces.rank_bytes):
+            nbytes = sum(table.get(p, (0, 0))[0] * n for p, n in held.items())
+            tensors = sum(table.get(p, (0, 0))[1] * n for p, n in held.items())
+            by_bytes.setdefault((nbytes, tensors), []).append(stage * sub_world + sub_rank)
+        for (params, tensors), ranks in sorted(by_bytes.items(), key=lambda kv: kv[1][0]):
+            optimizer = 2 * params + 4 * tensors  # AdamW's two moments and its step counts
+            total = params * 2 + optimizer + per_mb * in_flight + recompute + output + fsdp
+            largest = sorted([*pieces.largest_params, *acts.largest], reverse=True)[:4]
+            roles.append(
+                RoleReport(
+                    ranks=ranks,
+                    params_bytes=params,
+                    grads_bytes=params,
+                    optimizer_bytes=optimizer,
+                    activations_bytes=activations,
+                    total_bytes=total,
+                    largest=largest,
+                    stage=stage,
+                    microbatches_in_flight=in_flight,
+                    fsdp_unsharded_bytes=fsdp,
+                    output_bytes=output,
+                )
+            )
+    assert sorted(r for role in roles for r in role.ranks) == list(range(world))
+    return roles
+
+
+# -- the report ------------------------------------------------------------------------------
+def _ranks_text(ranks: list[int]) -> str:
+    spans: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(spans)
+
+
+def format_report(job: JobConfig, report: DryRunReport) -> str:
+    """The dry run's table: one row per role, with the ranks it covers."""
+    par = job.parallelism
+    lay = report.layout
+    lines = [
+        f"dry run: {report.model} on {report.world_size} ranks "
+        f"(dp_replicate={par.dp_replicate} dp_shard={lay['dp_shard']} cp={par.cp} tp={par.tp} "
+        f"pp={par.pp} ep={par.ep} etp={par.etp}; activation_checkpoint={par.activation_checkpoint}, "
+        f"microbatch {lay['microbatch']} x seq {job.training.seq_len}); no process started, "
+        f"nothing allocated",
+        f"  {'stage':>5}  {'params':>10}  {'grads':>10}  {'AdamW':>10}  {'activations':>12}  "
+        f"{'in flight':>9}  {'FSDP+out':>10}  {'total':>10}  ranks",
+    ]
+    for r in report.roles:
+        lines.append(
+            f"  {r.stage:>5}  {_gib(r.params_bytes):>10}  {_gib(r.grads_bytes):>10}  "
+            f"{_gib(r.optimizer_bytes):>10}  {_gib(r.activations_bytes):>12}  "
+            f"{r.microbatches_in_flight:>9}  {_gib(r.fsdp_unsharded_bytes + r.output_bytes):>10}  "
+            f"{_gib(r.total_bytes):>10}  {_ranks_text(r.ranks)}"
+        )
+    lines.append(
+        f"  busiest: {_gib(report.max_total_bytes)} (activations measured on fake tensors for one "
+        "microbatch; not counted: allocator fragmentation, communication buffers, CUDA context)"
+    )
     return "\n".join(lines)
 
 
-def check_memory(ranks: list[RankMemory], limit_gib: float) -> None:
-    """Refuse a layout whose busiest rank exceeds ``limit_gib``, naming its largest consumers."""
-    worst = max(ranks, key=lambda r: r.total)
-    if worst.total <= limit_gib * GIB:
+def check_memory(report: DryRunReport, limit_gib: float) -> None:
+    """Refuse a layout whose busiest role exceeds ``limit_gib``, naming it and its largest tensors."""
+    worst = max(report.roles, key=lambda r: r.total_bytes)
+    if worst.total_bytes <= limit_gib * GIB:
         return
     consumers = [
-        f"optimizer state {_gib(worst.optimizer)}",
-        f"gradients {_gib(worst.grads)}",
-        f"parameters {_gib(worst.params)}",
+        f"activations {_gib(worst.activations_bytes)} x {worst.microbatches_in_flight} in flight",
+        f"optimizer state {_gib(worst.optimizer_bytes)}",
+        f"gradients {_gib(worst.grads_bytes)}",
+        f"parameters {_gib(worst.params_bytes)}",
+        f"FSDP unsharded groups {_gib(worst.fsdp_unsharded_bytes)}",
     ]
-    if worst.activations:
-        consumers.insert(0, f"activations {_gib(worst.activations)}")
-    tensors = ", ".join(f"{name} ({_gib(size)} params)" for size, name in worst.largest)
+    tensors = ", ".join(f"{name} ({_gib(size)})" for size, name in worst.largest)
     raise ConfigError(
-        f"rank {worst.rank} needs {_gib(worst.total)}, over --dry-run-memory {limit_gib:g} GiB: "
-        f"{'; '.join(consumers)}; largest tensors: {tensors}. Raise tp/dp_shard/pp, "
-        "or use activation checkpointing",
+        f"stage {worst.stage} (ranks {_ranks_text(worst.ranks)}) needs {_gib(worst.total_bytes)}, "
+        f"over --dry-run-memory {limit_gib:g} GiB: {'; '.join(consumers)}; largest tensors: "
+        f"{tensors}. Raise tp/dp_shard/pp, or use activation checkpointing",
         path="parallelism",
     )
 
