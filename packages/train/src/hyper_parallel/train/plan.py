@@ -372,8 +372,10 @@ def plan(
     ]
     candidates.sort(key=lambda c: (not c.inside_node, c.estimate.seconds, _complexity(c.layout)))
     groups: dict[tuple[int, ...], list[Candidate]] = {}
+    alike: dict[tuple[int, ...], list[Candidate]] = {}  # by weight shards
     for c in candidates:
         groups.setdefault(tuple(c.layout.degrees().values()), []).append(c)
+        alike.setdefault(_shards(c.layout), []).append(c)
     # what the dry run said of what layouts share: a rank's states (the same weight shards)
     # and a microbatch's activations (all but the data-parallel degrees alike); a rank's
     # total is at least the sum of the two
@@ -404,7 +406,14 @@ def plan(
             break
         if tuple(c.layout.degrees().values()) in refused or c.measured is not None:
             continue
-        floor = states.get(_shards(c.layout), 0) + activations.get(_microbatch(c.layout), 0)
+        shards, microbatch = _shards(c.layout), _microbatch(c.layout)
+        if shards not in states and microbatch not in activations:
+            # the states first, from a layout of the same shards whose microbatch the dry
+            # run has seen (its activations cached: a cheap run); c's own may not be needed
+            probe = next((p for p in alike[shards] if _probe(p, activations, refused)), None)
+            if probe is not None:
+                run(probe)
+        floor = states.get(shards, 0) + activations.get(microbatch, 0)
         if floor > budget:
             ruled_out += 1
             continue
@@ -427,6 +436,17 @@ def plan(
         ),
     )
     return PlanResult(request, facts, ranked, len(layouts), len(measured), ruled_out, rejected)
+
+
+def _probe(
+    c: Candidate, activations: dict[tuple[Any, ...], int], refused: set[tuple[int, ...]]
+) -> bool:
+    """``c`` is unmeasured, its microbatch measured, its degrees not refused."""
+    return (
+        c.measured is None
+        and _microbatch(c.layout) in activations
+        and tuple(c.layout.degrees().values()) not in refused
+    )
 
 
 def _tied(fits: Candidate, other: Candidate) -> bool:
