@@ -120,7 +120,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan-out", default=None, metavar="TOML", help="write the best layout as a job file"
     )
     group.add_argument(
-        "--plan-top", type=int, default=5, metavar="K", help="stop once K layouts fit (5)"
+        "--plan-top", type=int, default=3, metavar="K", help="stop once K layouts fit (3)"
     )
 
 

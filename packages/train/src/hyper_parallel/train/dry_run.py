@@ -25,17 +25,12 @@ import torch.distributed as dist
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule import get_spec
-from hyper_parallel.dmodule.activation_checkpoint import is_checkpointed
 from hyper_parallel.dmodule.pipeline import even_starts
-from hyper_parallel.dtensor import DTensor, FallbackWarning, Replicate
-from hyper_parallel.dtensor._spec import local_shape_and_offset
+from hyper_parallel.dtensor import DTensor, FallbackWarning, Placement, Replicate, Shard
 from hyper_parallel.dtensor.fsdp import FSDPModule
+from hyper_parallel.dtensor.placement_types import _StridedShard
 from hyper_parallel.train.config import JobConfig, batch_layout
-from hyper_parallel.train.saved_tensors import (
-    SavedTensors,
-    fake_world,
-    parameter_storages,
-)
+from hyper_parallel.train.saved_tensors import count_activations, fake_world
 from hyper_parallel.train.tokenizer import build_tokenizer
 from hyper_parallel.train.trainer import (
     autocast_dtype,
@@ -169,9 +164,8 @@ def dry_run(
 
     Example::
 
-        >>> report = dry_run(JobConfig().apply_overrides(["parallelism.tp=2"]), 2)  # doctest: +SKIP
-        >>> report.roles[0].ranks
-        [0, 1]
+        report = dry_run(JobConfig().apply_overrides(["parallelism.tp=2"]), 2)
+        report.roles[0].ranks, report.max_total_bytes   # ([0, 1], ...)
     """
     if dist.is_initialized():
         raise RuntimeError("--dry-run plays its ranks itself: run it outside a process group")
@@ -331,6 +325,41 @@ def _coordinate(mesh_ranks: torch.Tensor, rank: int) -> list[int]:
     return coordinate
 
 
+def _chunk(size: int, n: int, index: int) -> int:
+    """The length of ``torch.chunk``'s piece ``index`` of ``size`` in ``n`` (0 past the end)."""
+    full = -(-size // n)
+    return max(0, min(full, size - full * index))
+
+
+def local_shape(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: list[int],
+    placements: list[Placement],
+) -> list[int]:
+    """The local shard's shape at ``coordinate``: hp-dtensor's layout rule, sizes only.
+
+    Mesh axes apply in order, each to what the earlier ones left: ``Shard`` takes its
+    ``torch.chunk`` piece, ``_StridedShard(sf)`` its piece of each of ``sf`` chunks.
+
+    Example::
+
+        >>> local_shape((5, 4), (2,), [1], [Shard(0)])
+        [2, 4]
+    """
+    local = list(shape)
+    for axis, p in enumerate(placements):
+        n, index = mesh_shape[axis], coordinate[axis]
+        if isinstance(p, _StridedShard):
+            length = local[p.dim]
+            local[p.dim] = sum(
+                _chunk(_chunk(length, p.split_factor, j), n, index) for j in range(p.split_factor)
+            )
+        elif isinstance(p, Shard):
+            local[p.dim] = _chunk(local[p.dim], n, index)
+    return local
+
+
 def _local_numel(p: torch.Tensor, rank: int, *, unsharded: bool = False) -> int:
     if not isinstance(p, DTensor):
         return p.numel()
@@ -344,10 +373,7 @@ def _local_numel(p: torch.Tensor, rank: int, *, unsharded: bool = False) -> int:
         coordinate = [0] * mesh.ndim
     else:
         coordinate = _coordinate(mesh.mesh, rank)
-    shape, _ = local_shape_and_offset(
-        tuple(p.shape), tuple(mesh.mesh.shape), coordinate, placements
-    )
-    return math.prod(shape)
+    return math.prod(local_shape(tuple(p.shape), tuple(mesh.mesh.shape), coordinate, placements))
 
 
 def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConfig) -> _Pieces:
@@ -405,84 +431,34 @@ def _measure(
 ) -> _Activations:
     """One microbatch's forward and loss over fake tensors, counting the saved storages."""
     layers = list(getattr(model, layers_attr, []))
-    counter = SavedTensors(label="first")
-    recompute: dict[str, int] = {}
-    boundary = [0]
-    logits = [0]
-    handles = []
-    for index, block in enumerate(layers):
-        handles.append(
-            block.register_forward_pre_hook(
-                _block_pre_hook(counter, f"{layers_attr}.{index}", kinds[index], recompute),
-                with_kwargs=True,
-            )
-        )
-        handles.append(block.register_forward_hook(_block_post_hook(counter, boundary)))
-
-    def head(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            local = output.to_local() if isinstance(output, DTensor) else output
-            logits[0] = local.numel() * local.element_size()
-
-    handles.append(model.register_forward_hook(head))
+    blocks = [(f"{layers_attr}.{i}", kinds[i], block) for i, block in enumerate(layers)]
     seq = job.training.seq_len
-    try:
-        with fake_world(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FallbackWarning)
-            model.to_empty(device="cpu")
-            with torch.no_grad():
-                for t in [*model.parameters(), *model.buffers()]:
-                    t.zero_()  # no values exist: this marks every state written
-            before = parameter_storages([model])
-            tokens = torch.zeros(microbatch, seq, dtype=torch.long)
-            inputs: dict[str, torch.Tensor] = {}
-            if packed and "document_ids" in inspect.signature(model.loss).parameters:  # type: ignore[operator,arg-type]
-                ids = torch.zeros(microbatch, seq, dtype=torch.long)
-                ids[:, seq // 2 :] = 1
-                inputs["document_ids"] = ids
-            dtype = autocast_dtype(job)
-            cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
-            with counter.saving(), cast:
+    with fake_world(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.zero_()  # no values exist: this marks every state written
+        tokens = torch.zeros(microbatch, seq, dtype=torch.long)
+        inputs: dict[str, torch.Tensor] = {}
+        if packed and "document_ids" in inspect.signature(model.loss).parameters:  # type: ignore[arg-type]
+            ids = torch.zeros(microbatch, seq, dtype=torch.long)
+            ids[:, seq // 2 :] = 1
+            inputs["document_ids"] = ids
+        dtype = autocast_dtype(job)
+        cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
+
+        def run() -> None:
+            with cast:
                 model.loss(tokens, tokens, **inputs)  # type: ignore[operator]
-            exclude = before | parameter_storages([model])
-            by_label = counter.bytes_by_label(exclude)
-            largest = counter.largest(exclude)
-    finally:
-        for h in handles:
-            h.remove()
-    pieces = {"first": by_label.get("first", 0), "last": by_label.get("last", 0)}
-    for index, kind in enumerate(kinds):
-        pieces.setdefault(kind, by_label.get(f"{layers_attr}.{index}", 0))
-    return _Activations(pieces, recompute, boundary[0], logits[0], largest)
 
-
-def _block_pre_hook(counter: SavedTensors, label: str, kind: str, recompute: dict[str, int]) -> Any:
-    def hook(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        counter.label = label
-        if not is_checkpointed(block):
-            return
-        # a checkpoint keeps its inputs; the rest is recomputed in backward, one block at a time
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                counter.add(t)
-        if kind not in recompute:
-            inner = block.__dict__["forward"]._run
-            replay = SavedTensors()
-            with torch.enable_grad(), replay.saving():
-                inner(*args, **kwargs)
-            recompute[kind] = sum(replay.bytes_by_label(parameter_storages([block])).values())
-
-    return hook
-
-
-def _block_post_hook(counter: SavedTensors, boundary: list[int]) -> Any:
-    def hook(block: torch.nn.Module, args: Any, output: Any) -> None:
-        counter.label = "last"
-        if isinstance(output, torch.Tensor):
-            local = output.to_local() if isinstance(output, DTensor) else output
-            boundary[0] = local.numel() * local.element_size()
-
-    return hook
+        counted = count_activations(model, blocks, run)
+    pieces = {"first": counted.by_label.get("first", 0), "last": counted.by_label.get("last", 0)}
+    for label, kind, _ in blocks:
+        pieces.setdefault(kind, counted.by_label.get(label, 0))
+    return _Activations(
+        pieces, counted.recompute, counted.boundary, counted.logits, counted.largest
+    )
 
 
 # -- roles -----------------------------------------------------------------------------------

@@ -10,14 +10,16 @@ one. ``tp``, ``etp`` and ``cp`` stay inside a node unless no such layout fits.
 
 Memory comes from the dry run alone (the planner has no memory model of its own): the
 layouts are measured in the order of their estimated step time
-(:mod:`~hyper_parallel.train.plan_cost`), fastest first, until ``top`` of them fit. A
-layout whose parameters, gradients and optimizer states alone exceed the budget rules
-out every layout of the same degrees (checkpointing and microbatches change activations
-only) and every layout that shards its weights alike (the same ``dp_shard x cp``, over
-which FSDP shards, ``tp``, ``pp``, ``ep`` and ``etp``; ``dp_replicate`` copies them),
-unmeasured. A layout is first measured with the least activations of its degrees
-(full checkpointing, the most microbatches), so that when nothing fits the smallest need
-found is a fair one.
+(:mod:`~hyper_parallel.train.plan_cost`), fastest first, until ``top`` of them fit.
+Unmeasured, a layout is ruled out when what the dry run measured of layouts it shares
+parts with already exceeds the budget: the parameters, gradients and optimizer states of
+its weight shards (the same ``dp_shard x cp``, over which FSDP shards, ``tp``, ``pp``,
+``ep`` and ``etp``; ``dp_replicate`` copies them) plus a microbatch's activations (the
+same layout but for ``dp_replicate`` and ``dp_shard``), a rank holding both. So is a
+layout estimated as fast as a simpler one that fits (it cannot rank above it). When
+nothing fits, the degrees that needed the least are measured once more with their least
+activations (full checkpointing, the most microbatches), so that the smallest need
+reported is a fair one.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class PlanRequest:
     #: ranks per node (default: the device's)
     gpus_per_node: int = 0
     #: stop once this many layouts fit (the best ``top``, ranked)
-    top: int = 5
+    top: int = 3
 
     @property
     def budget_bytes(self) -> int:
@@ -90,6 +92,8 @@ class Measured:
     #: the largest parameters + gradients + optimizer states of any role
     max_states_bytes: int
     busiest_ranks: tuple[int, ...]
+    #: the least activations of any role (one microbatch's saved bytes and recompute)
+    min_activations_bytes: int = 0
 
 
 #: ``(job, world_size) -> Measured``: the dry run of a layout (see :func:`dry_run_memory`).
@@ -132,8 +136,8 @@ class Candidate:
 
 @dataclass
 class PlanResult:
-    """The measured candidates, ranked: those that fit by estimated step time, then the rest
-    by memory; and how many layouts were considered, measured and ruled out unmeasured."""
+    """The measured candidates, ranked: those that fit by estimated step time (the simpler,
+    then the smaller, among equals), then the rest by memory; and how many layouts were considered, measured and ruled out unmeasured."""
 
     request: PlanRequest
     facts: ModelFacts
@@ -368,27 +372,31 @@ def plan(
     ]
     candidates.sort(key=lambda c: (not c.inside_node, c.estimate.seconds, _complexity(c.layout)))
     groups: dict[tuple[int, ...], list[Candidate]] = {}
+    alike: dict[tuple[int, ...], list[Candidate]] = {}  # by weight shards
     for c in candidates:
         groups.setdefault(tuple(c.layout.degrees().values()), []).append(c)
-    over_budget: set[tuple[int, ...]] = set()
+        alike.setdefault(_shards(c.layout), []).append(c)
+    # what the dry run said of what layouts share: a rank's states (the same weight shards)
+    # and a microbatch's activations (all but the data-parallel degrees alike); a rank's
+    # total is at least the sum of the two
+    states: dict[tuple[Any, ...], int] = {}
+    activations: dict[tuple[Any, ...], int] = {}
     refused: set[tuple[int, ...]] = set()
     ruled_out = 0
     measured: list[Candidate] = []
 
-    def run(c: Candidate) -> bool:
-        """Measure ``c``; False when the dry run refuses its degrees."""
-        key = tuple(c.layout.degrees().values())
+    def run(c: Candidate) -> None:
+        """Measure ``c`` (a layout the dry run refuses rules out its degrees)."""
         try:
             c.measured = measure(c.layout.apply(job), world)
         except ValueError as error:  # ConfigError too: a layout the model code refuses
             rejected[str(error)] += 1
-            refused.add(key)
-            return False
+            refused.add(tuple(c.layout.degrees().values()))
+            return
         c.fits = c.measured.max_total_bytes <= budget
         measured.append(c)
-        if c.measured.max_states_bytes > budget:
-            over_budget.add(_shards(c.layout))
-        return True
+        states[_shards(c.layout)] = c.measured.max_states_bytes
+        activations[_microbatch(c.layout)] = c.measured.min_activations_bytes
 
     for c in candidates:
         fitting = [f for f in measured if f.fits]
@@ -396,37 +404,76 @@ def plan(
             break  # tp, etp and cp leave a node only when nothing inside one fits
         if sum(f.estimate.seconds <= c.estimate.seconds for f in fitting) >= request.top:
             break
-        key = tuple(c.layout.degrees().values())
-        if key in refused or c.measured is not None:
+        if tuple(c.layout.degrees().values()) in refused or c.measured is not None:
             continue
-        if _shards(c.layout) in over_budget:
+        shards, microbatch = _shards(c.layout), _microbatch(c.layout)
+        if shards not in states and microbatch not in activations:
+            # the states first, from a layout of the same shards whose microbatch the dry
+            # run has seen (its activations cached: a cheap run); c's own may not be needed
+            probe = next((p for p in alike[shards] if _probe(p, activations, refused)), None)
+            if probe is not None:
+                run(probe)
+        floor = states.get(shards, 0) + activations.get(microbatch, 0)
+        if floor > budget:
             ruled_out += 1
             continue
-        lean = _lean(groups[key])
-        if lean.measured is None and not run(lean):
-            continue
-        if c.measured is not None:  # c was the lean one
-            continue
-        if _shards(c.layout) in over_budget:
-            ruled_out += 1
-            continue
+        if any(_tied(f, c) for f in fitting):
+            continue  # as fast as a simpler layout that fits: it cannot rank above it
         run(c)
+    if not any(c.fits for c in measured) and measured:
+        # the least activations of the degrees that needed the least: the fair smallest
+        least = min(measured, key=_memory)
+        lean = _lean(groups[tuple(least.layout.degrees().values())])
+        if lean.measured is None:
+            run(lean)
     ranked = sorted(
         measured,
         key=lambda c: (
             not c.fits,
             c.estimate.seconds if c.fits else _memory(c),
+            _complexity(c.layout) if c.fits else (0, 0),
             _memory(c),
-            _complexity(c.layout),
         ),
     )
     return PlanResult(request, facts, ranked, len(layouts), len(measured), ruled_out, rejected)
+
+
+def _probe(
+    c: Candidate, activations: dict[tuple[Any, ...], int], refused: set[tuple[int, ...]]
+) -> bool:
+    """``c`` is unmeasured, its microbatch measured, its degrees not refused."""
+    return (
+        c.measured is None
+        and _microbatch(c.layout) in activations
+        and tuple(c.layout.degrees().values()) not in refused
+    )
+
+
+def _tied(fits: Candidate, other: Candidate) -> bool:
+    """``other`` is estimated as fast as ``fits`` and is no simpler."""
+    a, b = fits.estimate.seconds, other.estimate.seconds
+    return abs(a - b) <= 1e-9 * max(a, b) and _complexity(fits.layout) <= _complexity(other.layout)
 
 
 def _shards(layout: Layout) -> tuple[int, ...]:
     """What decides a rank's weights, gradients and optimizer states: the same key, the
     same bytes (FSDP shards over ``dp_shard x cp`` flattened; ``dp_replicate`` copies)."""
     return layout.dp_shard * layout.cp, layout.tp, layout.pp, layout.ep, layout.etp
+
+
+def _microbatch(layout: Layout) -> tuple[Any, ...]:
+    """What decides a microbatch's activations: the layout but its data-parallel degrees."""
+    return (
+        layout.cp,
+        layout.tp,
+        layout.pp,
+        layout.ep,
+        layout.etp,
+        layout.activation_checkpoint,
+        layout.pipeline_schedule,
+        layout.pipeline_microbatches,
+        layout.local_batch_size,
+    )
 
 
 def _complexity(layout: Layout) -> tuple[int, int]:
@@ -451,6 +498,7 @@ def dry_run_memory() -> MemoryFn:
         report = dry_run(job, world, cache=cache)
         busiest = max(report.roles, key=lambda r: r.total_bytes)
         states = max(r.params_bytes + r.grads_bytes + r.optimizer_bytes for r in report.roles)
-        return Measured(report.max_total_bytes, states, tuple(busiest.ranks))
+        least = min(r.activations_bytes for r in report.roles)
+        return Measured(report.max_total_bytes, states, tuple(busiest.ranks), least)
 
     return measure

@@ -104,7 +104,7 @@ def plan_command(
     inter_node_gbps: float | None = None,
     as_json: bool = False,
     plan_out: str | None = None,
-    top: int = 5,
+    top: int = 3,
     allow_imports: tuple[str, ...] = (),
 ) -> int:
     """Run ``hp-train --plan``: print the plan; 0 when a layout fits, 1 when none does.

@@ -13,8 +13,8 @@ with :class:`SavedTensors` alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +23,19 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
+from hyper_parallel.dmodule.activation_checkpoint import is_checkpointed
 from hyper_parallel.dtensor import DTensor
 
-__all__ = ["SavedTensors", "fake_world", "local_storage_key"]
+__all__ = [
+    "ActivationCount",
+    "SavedTensors",
+    "count_activations",
+    "fake_world",
+    "local_storage_key",
+    "parameter_storages",
+]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,6 +124,141 @@ def parameter_storages(modules: list[torch.nn.Module]) -> set[int]:
     return {local_storage_key(p) for m in modules for p in m.parameters()}
 
 
+# -- a forward's activations, block by block ------------------------------------------------
+@dataclass
+class ActivationCount:
+    """What one forward saved: per label (``first``, each block's, ``last``) and the rest."""
+
+    by_label: dict[str, int]
+    #: per block kind: what recomputing one checkpointed block saves during its backward
+    recompute: dict[str, int]
+    #: bytes of a block's output (what a pipeline stage sends on)
+    boundary: int
+    #: bytes of the model's output on this rank (the logits)
+    logits: int
+    largest: list[tuple[int, str]]
+
+    @property
+    def total(self) -> int:
+        """Everything saved, plus the largest recompute of a checkpointed block."""
+        return sum(self.by_label.values()) + max(self.recompute.values(), default=0)
+
+
+def count_activations(
+    model: torch.nn.Module,
+    blocks: Sequence[tuple[str, str, torch.nn.Module]],
+    run: Callable[[], object],
+) -> ActivationCount:
+    """Count what ``run()`` (a forward and loss of ``model``) saves for backward, block by block.
+
+    ``blocks`` are ``(label, kind, module)``: what runs before the first block counts as
+    ``first``, inside a block for its label, after a block as ``last``. A checkpointed block
+    (:func:`~hyper_parallel.dmodule.activation_checkpoint.is_checkpointed`) keeps its inputs
+    (and under a selective policy the outputs the policy saves); its recompute in backward
+    saves what its plain forward saves, measured once per kind by running that forward
+    again. Works on real tensors and inside :func:`fake_world`.
+
+    Example::
+
+        counted = count_activations(model, [("layers.0", "block", model.layers[0])],
+                                    lambda: model.loss(tokens, tokens))
+    """
+    counter = SavedTensors(label="first")
+    recompute: dict[str, int] = {}
+    boundary = [0]
+    logits = [0]
+    handles = []
+    for label, kind, block in blocks:
+        handles.append(
+            block.register_forward_pre_hook(
+                _block_pre_hook(counter, label, kind, recompute), with_kwargs=True
+            )
+        )
+        handles.append(block.register_forward_hook(_block_post_hook(counter, boundary)))
+
+    def head(module: torch.nn.Module, args: object, output: object) -> None:
+        if isinstance(output, torch.Tensor):
+            logits[0] = _nbytes_local(output)
+
+    handles.append(model.register_forward_hook(head))
+    try:
+        before = parameter_storages([model])
+        with counter.saving():
+            run()
+        exclude = before | parameter_storages([model])
+    finally:
+        for h in handles:
+            h.remove()
+    return ActivationCount(
+        counter.bytes_by_label(exclude), recompute, boundary[0], logits[0], counter.largest(exclude)
+    )
+
+
+def _nbytes_local(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def _block_pre_hook(
+    counter: SavedTensors, label: str, kind: str, recompute: dict[str, int]
+) -> Callable[..., None]:
+    def hook(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        counter.label = label
+        if not is_checkpointed(block):
+            return
+        # a checkpoint keeps its inputs; the rest is recomputed in backward, block by block
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                counter.add(t)
+        checkpointed = block.__dict__["forward"]
+        policy = checkpointed.policy_fn
+        if kind in recompute and policy is None:
+            return
+        replay = SavedTensors()
+        kept = _PolicySaved(policy, counter) if policy is not None else nullcontext()
+        with torch.enable_grad(), replay.saving(), kept:
+            checkpointed._run(*args, **kwargs)  # the block's own forward, no checkpoint
+        if kind not in recompute:
+            recompute[kind] = sum(replay.bytes_by_label(parameter_storages([block])).values())
+
+    return hook
+
+
+def _block_post_hook(counter: SavedTensors, boundary: list[int]) -> Callable[..., None]:
+    def hook(block: torch.nn.Module, args: object, output: object) -> None:
+        counter.label = "last"
+        if isinstance(output, torch.Tensor):
+            boundary[0] = _nbytes_local(output)
+
+    return hook
+
+
+class _PolicySaved(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts (into ``counter``) the outputs a selective checkpoint's policy keeps."""
+
+    def __init__(self, policy: Callable[..., CheckpointPolicy], counter: SavedTensors) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.policy = policy
+        self.counter = counter
+        self.ctx = SelectiveCheckpointContext(is_recompute=False)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        decision = self.policy(self.ctx, func, *args, **kwargs)
+        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.counter.add(t)
+        return out
+
+
 # -- the fake world -------------------------------------------------------------------------
 _DATA_DEPENDENT_COUNTS = {torch.ops.aten.bincount.default}
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -195,7 +339,8 @@ class _RealIntegers(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = func(*args, **kwargs)
             _symmetric_collective(func, args)
             return out
-        real = bool(tensors) and not fake
+        # meta tensors (a model built on the meta device) become fake, never real memory
+        real = bool(tensors) and not fake and not any(t.is_meta for t in tensors)
         if not tensors:
             dtype = kwargs.get("dtype")
             real = dtype in _INDEX_DTYPES or (
@@ -226,6 +371,3 @@ def fake_world() -> Iterator[FakeTensorMode]:
 def nbytes_of(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
     """Bytes of a dense tensor of ``shape`` and ``dtype``."""
     return math.prod(shape) * dtype.itemsize
-
-
-Hook = Callable[..., Any]
