@@ -178,3 +178,15 @@ def test_checkpoint_package_does_not_import_the_reference_models() -> None:
                 assert not node.module.startswith("hyper_parallel.dmodule.models"), (
                     f"{path.name} imports {node.module}: ask the ModelSpec's adapter instead"
                 )
+
+
+@pytest.mark.parametrize("cut", ["in-the-header", "in-the-tensors"])
+def test_load_hf_of_a_truncated_safetensors_file_names_the_file(tmp_path: Path, cut: str) -> None:
+    _write_hf(tmp_path, sharded=False)
+    model = Llama.Config.from_hf(tmp_path).build()
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    kept = 6 if cut == "in-the-header" else len(data) - 1000
+    file.write_bytes(data[:kept])
+    with pytest.raises(ValueError, match=rf"cannot read .*model.safetensors \({kept} bytes\)"):
+        load_hf(model, tmp_path)

@@ -212,3 +212,71 @@ def test_tensorboard_missing_stops_before_training_naming_the_extra(
     with pytest.raises(ConfigError, match=r"pip install 'hp-train\[tensorboard\]'") as error:
         check_metrics_extras(job)
     assert error.value.path == "metrics.tensorboard_dir"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--world-size", "0"], "--world-size: expected an int >= 1 (the ranks to start), found 0"),
+        (["--world-size=-3"], "--world-size: expected an int >= 1 (the ranks to start), found -3"),
+        (["--dry-run", "--dry-run-memory=-1"], "--dry-run-memory: expected GiB > 0 per rank"),
+    ],
+)
+def test_a_world_size_or_memory_budget_below_one_is_refused_naming_the_option(
+    option: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_status:
+        main(option)
+    assert exit_status.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_folder_that_is_a_file_or_holds_another_run_is_refused_before_start(
+    tmp_path: Path,
+) -> None:
+    from hyper_parallel.train.checkpoints import clear_checkpoints
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "doc.txt").write_text("text " * 200)
+    job = load_job(None, [f"data.path={tmp_path / 'data'}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    (tmp_path / "ckpt").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"found that '.*ckpt' is a file") as error:
+        preflight(job, resume=False)
+    assert error.value.path == "checkpoint.dir"
+    (tmp_path / "ckpt").unlink()
+    for saved in ("step-3", "step-7", ".step-9.partial"):  # committed: a .metadata
+        (tmp_path / "ckpt" / saved).mkdir(parents=True)
+        (tmp_path / "ckpt" / saved / ".metadata").write_bytes(b"")
+    (tmp_path / "ckpt" / "notes.txt").write_text("kept")
+    with pytest.raises(ConfigError, match=r"holding checkpoints up to step 7 .*--resume") as error:
+        preflight(job, resume=False)
+    assert error.value.path == "checkpoint.dir"
+    overwrite = job.apply_overrides(["checkpoint.overwrite=true"])
+    assert preflight(overwrite, resume=False) == 1
+    clear_checkpoints(overwrite)  # what the run's rank 0 does before its first step
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["notes.txt"]
+
+
+def test_an_empty_data_folder_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+    job = load_job(None, [f"data.path={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match=r"data.path = .*found no match"):
+        preflight(job, resume=False)
+
+
+def test_the_allowlist_walk_around_through_torch_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    walk = "torch.nn.functional:torch.os.system"
+    marker = tmp_path / "ran"
+    file = tmp_path / "job.toml"
+    file.write_text(
+        f'[model.config.param_init.weight]\n_partial_ = "{walk}"\nargs = ["touch {marker}"]\n'
+    )
+    with pytest.raises(SystemExit) as status:  # refused reading the file
+        main(["--config", str(file)])
+    assert status.value.code == 2
+    err = capsys.readouterr().err
+    assert f"refusing to import '{walk}': 'torch.os.system' passes through module 'torch'" in err
+    assert main([f'--model.config.param_init={{"weight": "{walk}"}}']) == 2
+    assert "passes through module 'torch'" in capsys.readouterr().err
+    assert not marker.exists()

@@ -12,6 +12,8 @@ from tests._tolerance import assert_close_to_scale
 from tests.train._jobs import tiny_job, write_aligned_corpus, write_corpus
 
 from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule.checkpoint import read_manifest
+from hyper_parallel.train.cli import preflight
 from hyper_parallel.train.trainer import RunSummary, build_model_config, check_layout, train
 
 
@@ -64,6 +66,8 @@ def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_second"} <= set(train_records[0])
     assert [r["step"] for r in records if "val_loss" in r] == [5, 10]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-10", "step-5"]
+    if layout == ["parallelism.tp=2"]:
+        _the_left_checkpoints_are_checked_before_any_process_starts(tmp_path, corpus)
     # TensorBoard's own reader sees the scalars of both runs under the documented tags
     from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
         EventAccumulator,
@@ -80,6 +84,52 @@ def test_resume_at_step_5_gives_the_uninterrupted_losses(layout: list[str], tmp_
         rtol=1e-5,
         atol=0,
     )
+
+
+def _the_left_checkpoints_are_checked_before_any_process_starts(root: Path, corpus: Path) -> None:
+    """hp-train's preflight on the checkpoints of a finished run (no process is started)."""
+    logged = ["parallelism.tp=2", f"checkpoint.dir={root}/ckpt", "training.steps=12"]
+    job = tiny_job(corpus, *logged)
+    manifest = read_manifest(root / "ckpt" / "step-10")
+    assert manifest is not None
+    assert manifest["info"] == {
+        "model": "llama-ref",
+        "flavor": "debug",
+        "seed": 0,
+        "data_path": str(corpus),
+    }
+    # a fresh run into them is refused, naming the newest step
+    with pytest.raises(ConfigError, match="holding checkpoints up to step 10"):
+        preflight(job, resume=False)
+    assert preflight(job, resume=True) == 2
+    # a changed seed or data path: warned; another model shape: refused by key
+    with pytest.warns(UserWarning, match=r"training.seed = 0, this job has 7"):
+        preflight(job.apply_overrides(["training.seed=7"]), resume=True)
+    wider = job.apply_overrides(
+        [
+            'model.config={"dim": 32, "n_layers": 1, "n_heads": 2, '
+            '"n_kv_heads": 2, "ffn_dim": 32, "max_seq_len": 16}'
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=r"saved from another \(.*saved \[.*16\], this job's"
+    ) as e:
+        preflight(wider, resume=True)
+    assert e.value.path == "model.config"
+    # damage in the newest: refused naming the checkpoint and the file, pointing to step 5
+    (shard,) = sorted((root / "ckpt" / "step-10").glob("__1_*.distcp"))
+    with shard.open("r+b") as f:
+        f.write(bytes(64))
+    with pytest.raises(ConfigError) as e:
+        preflight(job, resume=True)
+    assert f"checkpoint '{root / 'ckpt' / 'step-10'}' is damaged: {shard.name} has SHA-256" in str(
+        e.value
+    )
+    assert "--checkpoint.resume_step=5" in str(e.value)
+    assert preflight(job.apply_overrides(["checkpoint.resume_step=5"]), resume=True) == 2
+    with pytest.raises(ConfigError, match=r"step 7 .* found steps \[5, 10\]") as e:
+        preflight(job.apply_overrides(["checkpoint.resume_step=7"]), resume=True)
+    assert e.value.path == "checkpoint.resume_step"
 
 
 def _pipeline_and_tensor_parallel(corpus: str) -> tuple[RunSummary, RunSummary] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,27 @@ def _safetensors() -> Any:
             "load_hf/save_hf need the safetensors package: pip install 'hp-dmodule[hf]'"
         ) from error
     return safetensors
+
+
+@contextmanager
+def _opened(safetensors: Any, path: Path) -> Iterator[Any]:
+    """``safe_open(path)``; a file it cannot read (truncated, not safetensors) named in a ValueError."""
+    error_type = getattr(safetensors, "SafetensorError", Exception)
+    try:
+        handle = safetensors.safe_open(str(path), framework="pt")
+    except (error_type, OSError) as error:
+        size = path.stat().st_size if path.is_file() else 0
+        raise ValueError(
+            f"load_hf: cannot read {path} ({size} bytes) as safetensors: {error} "
+            "(a truncated or damaged file? download it again)"
+        ) from error
+    with handle as f:
+        try:
+            yield f
+        except error_type as error:
+            raise ValueError(
+                f"load_hf: cannot read a tensor of {path}: {error} (a truncated or damaged file?)"
+            ) from error
 
 
 def _adapter(model: torch.nn.Module, adapter: StateDictAdapter | None) -> StateDictAdapter:
@@ -101,13 +123,18 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     """Hugging Face key -> the safetensors file holding it."""
     index = directory / _INDEX
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"load_hf: {index}: expected JSON with a 'weight_map' of key -> file, found "
+                f"{type(error).__name__}: {error}"
+            ) from error
         return {k: directory / f for k, f in weight_map.items()}
     single = directory / _SINGLE
     if not single.is_file():
         raise FileNotFoundError(f"load_hf: {directory} holds neither {_INDEX} nor {_SINGLE}")
-    safetensors = _safetensors()
-    with safetensors.safe_open(str(single), framework="pt") as f:
+    with _opened(_safetensors(), single) as f:
         return dict.fromkeys(f.keys(), single)
 
 
@@ -172,7 +199,7 @@ def load_hf(
         for hf_key in source.keys:
             if hf_key in missing:
                 continue
-            with safetensors.safe_open(str(files[hf_key]), framework="pt") as f:
+            with _opened(safetensors, files[hf_key]) as f:
                 shape = tuple(f.get_slice(tied_to.get(hf_key, hf_key)).get_shape())
             if shape != per_key:
                 mis_shaped.append(f"{hf_key}: file {shape}, model {per_key}")
@@ -203,7 +230,7 @@ def _read(
     safetensors: Any, files: dict[str, Path], hf_key: str, index: tuple[slice, ...]
 ) -> torch.Tensor:
     """The ``index`` slice of ``hf_key`` read from its file (nothing else of it is read)."""
-    with safetensors.safe_open(str(files[hf_key]), framework="pt") as f:
+    with _opened(safetensors, files[hf_key]) as f:
         piece: torch.Tensor = f.get_slice(hf_key)[index]
     return piece
 
