@@ -23,10 +23,11 @@ from tests._tolerance import assert_close_to_scale
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.checkpoint import load_hf, save_hf
 from hyper_parallel.dmodule.model_spec import get_spec
+from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dmodule.models.qwen3 import Qwen3, parallelize_qwen3
 from hyper_parallel.dmodule.models.qwen3_hf import Qwen3StateDictAdapter
 from hyper_parallel.dmodule.models.training import synthetic_batch
-from hyper_parallel.dtensor import DTensor
+from hyper_parallel.dtensor import DTensor, init_device_mesh
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -370,6 +371,21 @@ def _parallelize_refusals() -> dict[str, str]:
         except ValueError as error:
             untouched = not any(isinstance(p, DTensor) for p in model.parameters())
             found[name] = f"{error} | untouched={untouched}"
+    # plain meshes: a cp axis on qwen3-ref, a data-parallel axis that no FSDP covers
+    plain: dict[str, tuple[Any, tuple[str, ...]]] = {
+        "qwen3-cp-mesh": (Qwen3.Config(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2), ("cp",)),
+        "llama-dp-mesh": (
+            Llama.Config(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, ffn_dim=32),
+            ("dp",),
+        ),
+    }
+    for name, (config, names) in plain.items():
+        model = config.build()
+        try:
+            model.parallelize(init_device_mesh("cpu", (2,), mesh_dim_names=names))
+        except ValueError as error:
+            untouched = not any(isinstance(p, DTensor) for p in model.parameters())
+            found[name] = f"{error} | untouched={untouched}"
     return found
 
 
@@ -380,4 +396,8 @@ def test_parallelize_refuses_bad_layouts_on_every_rank_and_changes_nothing() -> 
             in found["experts-not-dividing-ep"]
         )
         assert "n_heads (3)" in found["heads-not-dividing-tp"]
+        assert "mesh axis 'cp' of size 2" in found["qwen3-cp-mesh"]
+        assert "no context parallelism" in found["qwen3-cp-mesh"]
+        assert "mesh axis 'dp' (2 ranks)" in found["llama-dp-mesh"]
+        assert "average_gradients(model, mesh, 'dp')" in found["llama-dp-mesh"]
         assert all(message.endswith("untouched=True") for message in found.values())

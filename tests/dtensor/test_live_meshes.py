@@ -43,8 +43,13 @@ def _second_job_after_the_first_is_collected() -> dict[str, Any]:
         first: list[Any] = [*_meshes()]
         first.append(first[0]["tp"])
         first.append(first)  # only this cycle holds them
+        first_groups = [first[0].get_group("tp"), first[1].get_group("fsdp")]
         del first
         world, fsdp = _meshes()  # the second job: equal values, built while the first's live
+        # equal meshes share their groups: whichever a lookup by value finds, every rank
+        # runs a collective on the same group (a group per mesh object hung two jobs)
+        second_groups = [world.get_group("tp"), fsdp.get_group("fsdp")]
+        shared = all(new is old for new, old in zip(second_groups, first_groups, strict=True))
         model = _layer()
         parallelize_module(model, world["tp"], {"": ColwiseParallel(use_local_output=False)})
         gc.collect()  # the first job's meshes go now
@@ -61,6 +66,7 @@ def _second_job_after_the_first_is_collected() -> dict[str, Any]:
         "grad": weight.grad.full_tensor(),
         "weight_mesh": weight.device_mesh.mesh_dim_names,
         "unpickled_is_live": restored is world["tp"],
+        "groups_shared_with_the_first_job": shared,
         "unpickled_group_ranks": torch.distributed.get_process_group_ranks(restored.get_group()),
     }
 
@@ -79,3 +85,4 @@ def test_fsdp_with_tp_finds_a_second_job_meshes_after_the_first_job_is_collected
         # a pickled mesh reattaches to the live mesh of its value, with its process groups
         assert got["unpickled_is_live"], rank
         assert got["unpickled_group_ranks"] == [0, 1], rank
+        assert got["groups_shared_with_the_first_job"], rank

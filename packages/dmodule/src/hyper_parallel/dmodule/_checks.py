@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hyper_parallel.config import ConfigError
 
-__all__ = ["require_positive", "require_positive_float"]
+__all__ = ["check_model_input", "require_positive", "require_positive_float"]
+
+
+def check_model_input(tokens: Any, *, where: str, name: str = "tokens") -> None:
+    """Raise a ``ValueError`` unless ``tokens`` is a tensor ``[batch, seq, ...]`` with at least
+    one row and one position (an empty batch otherwise fails deep in attention).
+
+    Example::
+
+        >>> import torch
+        >>> check_model_input(torch.zeros(0, 8, dtype=torch.long), where="Llama.forward")
+        Traceback (most recent call last):
+        ...
+        ValueError: Llama.forward: expected tokens of shape [batch, seq] with batch >= 1 and seq >= 1, found shape [0, 8]
+    """
+    shape = getattr(tokens, "shape", None)
+    if shape is None:
+        raise TypeError(f"{where}: expected {name} as a tensor, found {type(tokens).__name__}")
+    if len(shape) < 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(
+            f"{where}: expected {name} of shape [batch, seq] with batch >= 1 and seq >= 1, "
+            f"found shape {list(shape)}"
+        )
 
 
 def require_positive(config: object, *names: str) -> None:

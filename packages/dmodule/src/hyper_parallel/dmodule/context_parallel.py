@@ -116,9 +116,14 @@ def check_document_ids(
         ...
         ValueError: Llama: expected document_ids non-decreasing along the sequence, found a decrease in row 0 at position 2 (1 -> 0)
     """
-    if not isinstance(document_ids, torch.Tensor) or document_ids.is_floating_point():
+    if (
+        not isinstance(document_ids, torch.Tensor)
+        or document_ids.is_floating_point()
+        or document_ids.is_complex()
+        or document_ids.dtype == torch.bool  # passes is_floating_point, fails subtraction
+    ):
         raise ValueError(
-            f"{where}: expected document_ids as an integer tensor, found "
+            f"{where}: expected document_ids as an integer tensor (e.g. torch.int64), found "
             f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}"
         )
     shape = list(tokens.shape[:2] if isinstance(tokens, torch.Tensor) else tokens)

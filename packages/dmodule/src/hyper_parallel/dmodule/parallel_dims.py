@@ -29,7 +29,7 @@ _FLATTENED: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelDims:
     """Parallelism degrees, validated, and the meshes they make (TorchTitan's ``ParallelDims``).
 
@@ -46,6 +46,10 @@ class ParallelDims:
     - loss: ``loss`` = batch x ``cp`` (the ranks a loss is averaged over);
     - ``fsdp`` = ``dp_shard`` x ``cp`` (what dense ``fully_shard`` shards over, with
       ``dp_replicate`` for HSDP) and ``efsdp`` (the same for expert weights).
+
+    Frozen: the degrees and the meshes built from them stay together (assigning
+    ``dims.tp = 4`` raises ``dataclasses.FrozenInstanceError``); make another with
+    ``dataclasses.replace(dims, tp=4, dp_shard=-1)``, whose meshes are built anew.
 
     Example::
 
@@ -102,7 +106,7 @@ class ParallelDims:
                     f"{world} does not divide by dp_replicate*cp*tp*pp = {self.dp_replicate}*"
                     f"{self.cp}*{self.tp}*{self.pp} = {others}"
                 )
-            self.dp_shard = world // others
+            object.__setattr__(self, "dp_shard", world // others)
         product = others * self.dp_shard
         if product != world:
             raise ValueError(
@@ -110,7 +114,7 @@ class ParallelDims:
                 f"{self.dp_shard}*{self.cp}*{self.tp} = {product}, but the world size is {world}; "
                 "expected the degrees' product to equal the world size"
             )
-        self.world_size = world
+        object.__setattr__(self, "world_size", world)
         if self.etp not in (1, self.tp):
             raise ValueError(f"ParallelDims: etp must be 1 or tp ({self.tp}), found etp={self.etp}")
         pool = self.dp_shard * self.cp * (self.tp if self.etp == 1 else 1)
@@ -255,9 +259,11 @@ class ParallelDims:
             shape = tuple(n for _, n in factors)
             families[family] = DeviceMesh(kind, ranks.reshape(shape), mesh_dim_names=names)
         enabled = tuple(name for name, n in self._family_factors()["world"] if n > 1)
-        self._families = families
-        self._world = families["world"][enabled or ("dp_shard",)]
-        return self._world
+        # the built meshes are a cache of the degrees, not a degree: set past the freeze
+        world = families["world"][enabled or ("dp_shard",)]
+        object.__setattr__(self, "_families", families)
+        object.__setattr__(self, "_world", world)
+        return world
 
     @property
     def is_built(self) -> bool:

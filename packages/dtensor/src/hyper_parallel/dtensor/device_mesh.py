@@ -5,6 +5,16 @@ that holds a mesh of the same value it reattaches to that mesh's process groups,
 torch's mesh resolves its groups by name. Elsewhere it comes back *detached*: its
 shape, names and coordinate are there, its groups are not, and a collective on it
 raises naming the mesh to build first.
+
+Meshes of equal value share their process groups: a mesh axis's slice over given ranks
+(with a given axis name and device type) has one process group per process group world,
+whichever mesh asks first creates it. Equal meshes compare equal (as torch's do), so
+anything that finds, caches or groups meshes by value (dispatch caches, unpickling,
+``fully_shard``'s joint-mesh search, ``clip_grad_norm_``'s grouping) may hand one job a
+mesh object another job built; with one group per value that is harmless. With a group
+per mesh object it hung: which of two equal meshes a lookup found depended on garbage
+collection, which differs between ranks, so two ranks ran one all-reduce on two
+different groups.
 """
 
 from __future__ import annotations
@@ -75,6 +85,38 @@ class _LiveMeshes:
 
 
 _live_meshes = _LiveMeshes()
+
+#: (device type, axis name or index, slice ranks) -> its process group
+GroupKey = tuple[str, "str | int", tuple[int, ...]]
+
+
+class _SliceGroups:
+    """The process group of every mesh-axis slice built so far, by value (see the module
+    docstring): a second mesh of an equal value reuses the first one's groups.
+
+    Strong references, reset when the default process group changes (destroyed and
+    initialised again): torch keeps every group alive until then anyway. Never garbage
+    dependent: every rank creates every slice's group (``new_group`` is collective), so the
+    lookups hit and miss alike on every rank.
+    """
+
+    def __init__(self) -> None:
+        self._world: object = None
+        self._groups: dict[GroupKey, ProcessGroup] = {}
+
+    def get_or_create(self, key: GroupKey, description: str) -> ProcessGroup:
+        """The group of slice ``key`` (collective on the first call for it, as ``new_group``)."""
+        world = torch.distributed.group.WORLD
+        if world is not self._world:
+            self._world, self._groups = world, {}
+        group = self._groups.get(key)
+        if group is None:
+            group = get_platform().new_group(list(key[2]), description=description)
+            self._groups[key] = group
+        return group
+
+
+_slice_groups = _SliceGroups()
 
 
 def _remember_mesh(mesh: DeviceMesh) -> None:
@@ -191,15 +233,17 @@ class DeviceMesh:
         self._value_hash = hash(self._value_key)
 
     def _create_groups(self) -> dict[int, ProcessGroup]:
-        """Create every slice group of every axis, in the same order on all ranks."""
-        platform = get_platform()
+        """Every slice group of every axis, in the same order on all ranks: an equal slice's
+        group where one was built before (:class:`_SliceGroups`), else a new one."""
         groups: dict[int, ProcessGroup] = {}
         for axis in range(self.ndim):
             slices = self.mesh.movedim(axis, -1).reshape(-1, self.mesh.shape[axis])
-            name = repr(self.mesh_dim_names[axis]) if self.mesh_dim_names else str(axis)
+            label: str | int = self.mesh_dim_names[axis] if self.mesh_dim_names else axis
+            name = repr(label) if self.mesh_dim_names else str(axis)
             for slice_ranks in slices.tolist():
                 # named in errors, e.g. a lost peer's: "mesh axis 'dp' of DeviceMesh(...)"
-                group = platform.new_group(slice_ranks, description=f"mesh axis {name} of {self}")
+                key: GroupKey = (self.device_type, label, tuple(slice_ranks))
+                group = _slice_groups.get_or_create(key, f"mesh axis {name} of {self}")
                 if self._rank in slice_ranks:
                     groups[axis] = group
         return groups

@@ -30,6 +30,7 @@ __all__ = [
     "apply_compile",
     "check_head_sizes",
     "check_heads_divide_tp",
+    "check_whole_plan",
     "data_parallel_mesh",
     "mp_policy",
     "pipeline_with_loss",
@@ -65,6 +66,46 @@ def tp_size(mesh: DeviceMesh | ParallelDims) -> int | None:
     names = tuple(mesh.mesh_dim_names or ())
     tp_name = axis_name(MeshAxisName.TP)
     return mesh.size(names.index(tp_name)) if tp_name in names else None
+
+
+def check_whole_plan(mesh: DeviceMesh | ParallelDims, *, where: str, plan: str) -> None:
+    """Refuse data parallelism that ``plan`` (a model's ``parallelize_fn``) leaves to the
+    training step, for a model's own ``parallelize``: plain replicas are averaged by
+    ``train_step(average_over=...)`` (hp-train does it), so ``model.parallelize`` alone
+    would apply only half of the layout. Raises before anything changes.
+
+    Example::
+
+        >>> check_whole_plan(ParallelDims(dp_shard=2, world_size=2), where="M", plan="p")
+        >>> check_whole_plan(ParallelDims(dp_replicate=2, dp_shard=1, world_size=2),
+        ...                  where="M.parallelize", plan="parallelize_m")
+        Traceback (most recent call last):
+        ...
+        ValueError: M.parallelize: dp_replicate=2 with dp_shard x cp = 1: ...
+    """
+    if isinstance(mesh, ParallelDims):
+        if mesh.dp_replicate > 1 and not mesh.fsdp_enabled:
+            raise ValueError(
+                f"{where}: dp_replicate={mesh.dp_replicate} with dp_shard x cp = 1: plain "
+                f"replicas, which neither {where} nor {plan} synchronise (the training step "
+                "averages their gradients: train_step(..., average_over=(dims.batch_mesh, "
+                "'batch')), as hp-train does); expected dp_shard > 1 (FSDP, HSDP with "
+                "dp_replicate), or parallelize over ParallelDims without dp_replicate and "
+                "average the gradients in the step"
+            )
+        return
+    names = tuple(mesh.mesh_dim_names or ())
+    shard = axis_name(MeshAxisName.DP_SHARD)
+    for axis in (axis_name(MeshAxisName.DP), axis_name(MeshAxisName.DP_REPLICATE)):
+        if axis in names and mesh.size(axis) > 1 and shard not in names:
+            raise ValueError(
+                f"{where}: mesh axis {axis!r} ({mesh.size(axis)} ranks) of {mesh}: data "
+                f"parallelism over it is not applied by {where} nor {plan} (only a "
+                f"{shard!r} axis is: FSDP); expected an axis named {shard!r}, or "
+                f"parallelize over the other axes (e.g. mesh['tp']) and average the "
+                f"gradients over {axis!r} in the step (average_gradients(model, mesh, "
+                f"{axis!r}) or train_step(..., average_over=(mesh, {axis!r})))"
+            )
 
 
 def check_head_sizes(config: _HeadSizes, *, dim_path: str = "dim") -> None:

@@ -15,7 +15,11 @@ from typing import Any
 import torch
 
 from hyper_parallel.config import ConfigError
-from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule._checks import (
+    check_model_input,
+    require_positive,
+    require_positive_float,
+)
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.context_parallel import (
@@ -29,20 +33,19 @@ from hyper_parallel.dmodule.context_parallel import (
 )
 from hyper_parallel.dmodule.layers import RopeScaling, TransformerBlock, cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
-from hyper_parallel.dmodule.models._sharding import check_head_sizes, pipeline_with_loss
+from hyper_parallel.dmodule.models._sharding import (
+    check_head_sizes,
+    check_whole_plan,
+    pipeline_with_loss,
+)
 from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
 from hyper_parallel.dmodule.models.llama_sharding import (
-    apply_compile,
-    apply_cp,
     apply_fsdp,
-    apply_tp,
     block_config,
-    check_cp,
     embedding_config,
     norm_config,
     output_config,
     parallelize_llama,
-    split_cp_mesh,
 )
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import (
@@ -227,6 +230,7 @@ class Llama(BaseModel):
         stage. A stage's logits stay this rank's share (the pipeline's loss is
         :meth:`output_loss`).
         """
+        check_model_input(tokens, where="Llama.forward")
         embeds = not isinstance(self.tok_embeddings, PassThrough)
         layout = self.layout(tokens, document_ids, embedded=not embeds)
         if layout is not None and layout.cp is not None and embeds:
@@ -367,30 +371,22 @@ class Llama(BaseModel):
         return TokenLayout.build(seq, document_ids=document_ids, cp=cp, device=tokens.device)
 
     def parallelize(self, mesh: DeviceMesh | ParallelDims) -> Llama:
-        """Tensor and context parallel over ``mesh`` (a mesh or a :class:`ParallelDims`), then compile.
+        """The whole plan for ``mesh``: :func:`~.llama_sharding.parallelize_llama` (the spec's
+        ``parallelize_fn``) without a job_config.
 
-        ``mesh["tp"]`` (:func:`~.llama_sharding.apply_tp`): the head counts must divide
-        by its size. ``mesh["cp"]`` (:func:`~.llama_sharding.apply_cp`): the sequence is
-        split over it in head-tail order, attention by ``config.context_parallel``.
-        The ``local_map`` blocks are compiled when ``compile_local_map`` is set
-        (:func:`~.llama_sharding.apply_compile`). Everything is checked before anything
-        changes; an initialised model keeps its values. :func:`parallelize_llama` adds
-        activation checkpointing and FSDP.
+        Tensor and context parallel, compile, then FSDP over the data-parallel axes
+        (``dp_shard`` x ``cp``, with ``dp_replicate``: HSDP), so a :class:`ParallelDims` with
+        data-parallel degrees is never half applied. Plain replicas (``dp_replicate > 1``
+        with no FSDP) are refused: their gradients are averaged by the training step
+        (``train_step(average_over=...)``, hp-train), not by the model. Everything is
+        checked before anything changes; an initialised model keeps its values.
 
         Example::
 
-            model = Llama.Config().build().parallelize(init_device_mesh("cpu", (2,),
-                                                                       mesh_dim_names=("tp",)))
-            model = Llama.Config().build().parallelize(ParallelDims(cp=2, tp=2))
+            model = Llama.Config().build().parallelize(ParallelDims(dp_shard=2, tp=2))
         """
-        cp_mesh, tp_mesh = split_cp_mesh(mesh)
-        check_cp(self, cp_mesh, tp_mesh)
-        if tp_mesh is not None:
-            apply_tp(self, tp_mesh)
-        if cp_mesh is not None:
-            apply_cp(self, cp_mesh)
-        apply_compile(self)
-        return self
+        check_whole_plan(mesh, where="Llama.parallelize", plan="parallelize_llama")
+        return parallelize_llama(self, mesh)
 
     #: The ``cp`` axis the sequence is split over (``None``: not context parallel).
     context_parallel: ContextParallel | None = None

@@ -15,16 +15,22 @@ from typing import Any
 import torch
 
 from hyper_parallel.config import ConfigError
-from hyper_parallel.dmodule._checks import require_positive, require_positive_float
+from hyper_parallel.dmodule._checks import (
+    check_model_input,
+    require_positive,
+    require_positive_float,
+)
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.containers import ModuleList
 from hyper_parallel.dmodule.layers import cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
-from hyper_parallel.dmodule.models._sharding import check_head_sizes, pipeline_with_loss
+from hyper_parallel.dmodule.models._sharding import (
+    check_head_sizes,
+    check_whole_plan,
+    pipeline_with_loss,
+)
 from hyper_parallel.dmodule.models.qwen3_hf import Qwen3StateDictAdapter, qwen3_config_from_hf
 from hyper_parallel.dmodule.models.qwen3_sharding import (
-    apply_compile,
-    apply_tp,
     block_config,
     embedding_config,
     norm_config,
@@ -199,6 +205,7 @@ class Qwen3(BaseModel):
         Once parallelized over ``tp`` the logits are a DTensor sharded by vocab
         (``Shard(-1)``); ``.full_tensor()`` gathers them.
         """
+        check_model_input(tokens, where="Qwen3.forward")
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
@@ -214,17 +221,21 @@ class Qwen3(BaseModel):
         return cross_entropy(self(tokens), targets)
 
     def parallelize(self, mesh: DeviceMesh | ParallelDims) -> Qwen3:  # type: ignore[override]
-        """Tensor (and expert) parallel over ``mesh`` (:func:`~.qwen3_sharding.apply_tp`), then compile.
+        """The whole plan for ``mesh``: :func:`~.qwen3_sharding.parallelize_qwen3` (the spec's
+        ``parallelize_fn``) without a job_config.
 
-        :func:`parallelize_qwen3` adds activation checkpointing and FSDP.
+        Tensor and expert parallel, compile, then FSDP over the data-parallel axes (the
+        routed experts over ``efsdp``), so a :class:`ParallelDims` with data-parallel degrees
+        is never half applied. Refused before anything changes: ``cp > 1`` (no context
+        parallel attention) and plain replicas (``dp_replicate > 1`` with no FSDP: the
+        training step averages those, ``train_step(average_over=...)``).
 
         Example::
 
-            model = Qwen3.Config(num_experts=4).build().parallelize(ParallelDims(ep=2))
+            model = Qwen3.Config(num_experts=4).build().parallelize(ParallelDims(dp_shard=4, ep=2))
         """
-        apply_tp(self, mesh)
-        apply_compile(self)
-        return self
+        check_whole_plan(mesh, where="Qwen3.parallelize", plan="parallelize_qwen3")
+        return parallelize_qwen3(self, mesh)
 
 
 def _qwen3(**fields: Any) -> Qwen3.Config:

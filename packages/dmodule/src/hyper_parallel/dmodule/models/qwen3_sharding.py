@@ -338,13 +338,17 @@ def apply_fsdp(
 
 def _check_expert_layout(model: Qwen3, mesh: DeviceMesh | ParallelDims) -> None:
     """Refuse what this plan cannot lay out, before anything changes: ``cp > 1`` (Qwen3's
-    attention has no context-parallel form)."""
-    if not isinstance(mesh, ParallelDims):
-        return
-    if mesh.cp > 1:
+    attention has no context-parallel form), from a ParallelDims or a mesh's ``cp`` axis."""
+    if isinstance(mesh, ParallelDims):
+        cp, what = mesh.cp, f"cp={mesh.cp}"
+    else:
+        names = tuple(mesh.mesh_dim_names or ())
+        cp = mesh.size("cp") if "cp" in names else 1
+        what = f"mesh axis 'cp' of size {cp} in {mesh}"
+    if cp > 1:
         raise ValueError(
-            f"parallelize_qwen3: cp={mesh.cp}: Qwen3Attention has no context parallelism; "
-            "expected cp=1"
+            f"parallelize_qwen3: {what}: Qwen3Attention has no context parallelism (each "
+            "rank would run the whole sequence); expected cp=1"
         )
 
 
