@@ -13,6 +13,7 @@ A fresh interpreter then imports each container path first, as a user's script w
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,7 @@ def _cycles(graph: dict[str, list[tuple[int, str]]]) -> list[str]:
     return found
 
 
+@functools.cache  # read once per session: every file parsed; callers do not mutate it
 def _graph(*, everywhere: bool = False) -> dict[str, list[tuple[int, str]]]:
     return {path: _edges(path, everywhere=everywhere) for path in _files()}
 
