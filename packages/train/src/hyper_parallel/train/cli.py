@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="hp-train",
         description="Train a model of the hp-dmodule registry on text, with every parallelism "
         "of the job's [parallelism] degrees. Any key of the job: --section.key=VALUE "
-        "(e.g. --training.steps=200). With no --config: llama-ref on the built-in corpus.",
+        "(e.g. --training.steps=200). With no --config: llama-ref on the built-in corpus. "
+        "'hp-train prepare INPUT OUT' tokenizes a corpus once into memory-mapped shards "
+        "(hp-train prepare --help).",
     )
     parser.add_argument("--config", default=None, help="the job's TOML file")
     parser.add_argument(
@@ -106,7 +108,7 @@ def preflight(
     the product of the degrees (``parallelism.dp_shard = -1`` needs one of the first two).
     Raises ConfigError (or FileNotFoundError for data) naming the key.
     """
-    from hyper_parallel.train.data import builtin_corpus, find_files
+    from hyper_parallel.train.job_data import check_data
     from hyper_parallel.train.metrics import check_metrics_extras
     from hyper_parallel.train.tokenizer import build_tokenizer
     from hyper_parallel.train.trainer import build_model_config, check_layout, check_resume
@@ -114,13 +116,7 @@ def preflight(
     check_metrics_extras(job)
     tokenizer = build_tokenizer(job.tokenizer.path)
     build_model_config(job, tokenizer.vocab_size, tuple(allow_imports))
-    if job.data.path:
-        if not os.path.isdir(job.data.path):  # a datasets directory is read by datasets
-            find_files(job.data.path)
-    else:
-        builtin_corpus()
-    if job.validation.path and not os.path.isdir(job.validation.path):
-        find_files(job.validation.path, key="validation.path")
+    check_data(job)
     world = int(os.environ.get("WORLD_SIZE", 0)) or world_size or job.parallelism.world_size
     if world < 1:
         raise ConfigError(
@@ -145,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         >>> main(["--print-config"])  # doctest: +SKIP
     """
-    args, job = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare"]:
+        from hyper_parallel.train.prepare import prepare_main
+
+        return prepare_main(argv[1:])
+    args, job = parse_args(argv)
     if args.print_config:
         sys.stdout.write(to_toml(job))
         return 0

@@ -47,9 +47,11 @@ from hyper_parallel.dtensor import (
 from hyper_parallel.dtensor.fsdp import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import DEFAULT_ALLOWED_IMPORTS, JobConfig, batch_layout
-from hyper_parallel.train.data import Batch, BatchSampler, PackedSamples, pack, read_documents
+from hyper_parallel.train.data import Batch, PackedSamples, Prefetcher
+from hyper_parallel.train.job_data import check_resumed_data, load_job_data, make_sampler
 from hyper_parallel.train.lr import lr_at
 from hyper_parallel.train.metrics import MetricsLogger, StepMetrics
+from hyper_parallel.train.mixture import Mixture
 from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
@@ -430,26 +432,12 @@ def _param_groups(model_parts: list[torch.nn.Module], weight_decay: float) -> li
     ]
 
 
-def load_samples(job: JobConfig, tokenizer: Tokenizer) -> tuple[PackedSamples, PackedSamples]:
+def load_samples(
+    job: JobConfig, tokenizer: Tokenizer
+) -> tuple[PackedSamples | Mixture, PackedSamples | Mixture]:
     """The training samples and the validation samples (``validation.path`` or a held-out tail)."""
-    data = job.data
-    everything = pack(
-        read_documents(data.path, format=data.format, field=data.field),
-        tokenizer,
-        seq_len=job.training.seq_len,
-    )
-    if job.validation.path:
-        held = pack(
-            read_documents(
-                job.validation.path, format=data.format, field=data.field, key="validation.path"
-            ),
-            tokenizer,
-            seq_len=job.training.seq_len,
-        )
-        return everything, held
-    n = len(everything)
-    tail = max(1, int(n * data.holdout)) if data.holdout > 0 and n > 1 else 0
-    return everything.subset(0, n - tail), everything.subset(n - tail, n)
+    data = load_job_data(job, tokenizer)
+    return data.train, data.validation
 
 
 def train(
@@ -518,15 +506,18 @@ def train(
         eps=job.optimizer.eps,
         foreach=False,
     )
-    train_samples, val_samples = load_samples(job, tokenizer)
+    data = load_job_data(job, tokenizer)
+    val_samples = data.validation
     dp_rank, dp = dims.batch_mesh.get_local_rank(0), dims.dp
-    sampler = BatchSampler(
-        train_samples,
-        seed=job.training.seed,
-        dp_rank=dp_rank,
-        dp=dp,
-        local_batch=local_batch,
-        accumulation=accumulation,
+    sampler = Prefetcher(  # the next step's batches are read while a step runs
+        make_sampler(
+            data.train,
+            seed=job.training.seed,
+            dp_rank=dp_rank,
+            dp=dp,
+            local_batch=local_batch,
+            accumulation=accumulation,
+        )
     )
     state = TrainingState(device=device)
     # a stage keeps the full model's FQNs: each rank saves and loads its own stage's states;
@@ -544,8 +535,10 @@ def train(
                 f"{saved_model!r} in {str(step_path(job.checkpoint.dir, loaded))!r}",
                 path="checkpoint.dir",
             )
+        check_resumed_data(state.extra.get("data"), job, str(step_path(job.checkpoint.dir, loaded)))
         sampler.position = state.data_position
     state.extra["model"] = job.model.name
+    state.extra["data"] = data.identity
     resumed_after = state.step if resume else None
     metrics = MetricsLogger(job, rank=rank, resumed_after=resumed_after) if log else None
     tokens_per_step = job.training.global_batch_size * job.training.seq_len
@@ -664,6 +657,7 @@ def train(
                 if metrics is not None:
                     metrics.note(f"stopped by a signal after step {step}; resume with --resume")
                 break
+    sampler.close()
     if pending is not None:
         pending.wait()
         _keep_last(job, rank)
@@ -727,7 +721,7 @@ def _gather_stages(
 
 def validate(
     model: torch.nn.Module | Pipeline,
-    samples: PackedSamples,
+    samples: PackedSamples | Mixture,
     job: JobConfig,
     mesh: DeviceMesh,
     dp_axes: tuple[str, ...],
@@ -748,7 +742,7 @@ def validate(
         val = validate(pipe, held_out, job, loss_mesh, ("loss",), dp_rank, dp, 4, device,
                        pp_mesh=dims.get_mesh("pp"))
     """
-    sampler = BatchSampler(
+    sampler = make_sampler(
         samples,
         seed=0,
         dp_rank=dp_rank,
