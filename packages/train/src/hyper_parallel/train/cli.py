@@ -30,7 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="hp-train",
         description="Train a model of the hp-dmodule registry on text, with every parallelism "
         "of the job's [parallelism] degrees. Any key of the job: --section.key=VALUE "
-        "(e.g. --training.steps=200). With no --config: llama-ref on the built-in corpus.",
+        "(e.g. --training.steps=200). With no --config: llama-ref on the built-in corpus. "
+        "'hp-train prepare INPUT OUT' tokenizes a corpus once into memory-mapped shards "
+        "(hp-train prepare --help).",
     )
     parser.add_argument("--config", default=None, help="the job's TOML file")
     parser.add_argument(
@@ -169,7 +171,7 @@ def preflight(
         check_resume,
         check_resumed_model,
     )
-    from hyper_parallel.train.data import _is_hf_dataset, builtin_corpus, find_files
+    from hyper_parallel.train.job_data import check_data
     from hyper_parallel.train.metrics import check_metrics_extras
     from hyper_parallel.train.tokenizer import build_tokenizer
     from hyper_parallel.train.trainer import build_model_config, check_layout
@@ -177,14 +179,7 @@ def preflight(
     check_metrics_extras(job)
     tokenizer = build_tokenizer(job.tokenizer.path)
     model_config = build_model_config(job, tokenizer.vocab_size, tuple(allow_imports))
-    if job.data.path:
-        data = job.data
-        if data.format != "hf" and not _is_hf_dataset(Path(data.path)):
-            find_files(data.path)  # a datasets directory is read by datasets
-    else:
-        builtin_corpus()
-    if job.validation.path and not os.path.isdir(job.validation.path):
-        find_files(job.validation.path, key="validation.path")
+    check_data(job)
     world = int(os.environ.get("WORLD_SIZE", 0)) or world_size or job.parallelism.world_size
     if world < 1:
         raise ConfigError(
@@ -214,7 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         >>> main(["--print-config"])  # doctest: +SKIP
     """
-    args, job = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare"]:
+        from hyper_parallel.train.prepare import prepare_main
+
+        return prepare_main(argv[1:])
+    args, job = parse_args(argv)
     if args.print_config:
         sys.stdout.write(to_toml(job))
         return 0

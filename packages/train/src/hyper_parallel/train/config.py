@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ __all__ = [
     "JobConfig",
     "LRSchedulerConfig",
     "MetricsConfig",
+    "MixSource",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -82,16 +85,38 @@ class ParallelismConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MixSource:
+    """One source of ``data.mix``: a prepared directory (or anything ``data.path`` reads) and its weight."""
+
+    path: str = ""
+    #: the share of the samples drawn from this source (weights are normalized to sum 1)
+    weight: float = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     """``[data]``: where the text comes from ("" is the built-in corpus)."""
 
-    #: a file, a directory, a glob, or a ``datasets`` directory (``save_to_disk``); "": built-in
+    #: a file, a directory, a glob, a ``datasets`` directory (``save_to_disk``), or a directory
+    #: written by ``hp-train prepare`` (its ``index.json``); "": the built-in corpus
     path: str = ""
-    format: Literal["auto", "text", "jsonl", "hf"] = "auto"
+    #: "tokens": ``path`` must be a prepared directory ("auto" recognises one too)
+    format: Literal["auto", "text", "jsonl", "hf", "tokens"] = "auto"
     #: the JSONL / datasets field holding the text
     field: str = "text"
     #: with no validation.path, this share of the samples (their tail) is held out
     holdout: float = 0.05
+    #: the text files' encoding
+    encoding: str = "utf-8"
+    #: "check": a file with more than 1% undecodable characters is refused (fewer are replaced
+    #: by U+FFFD and counted); "replace": replaced and counted, never refused
+    decode_errors: Literal["check", "replace"] = "check"
+    #: several sources, each sample drawn from one in proportion to its weight (``data.path``
+    #: stays ""): ``mix = [{path = "web/", weight = 0.7}, {path = "code/", weight = 0.3}]``
+    mix: list[MixSource] = dataclasses.field(default_factory=list)
+    #: ``--resume`` onto a checkpoint trained on other prepared data than this job's: refused
+    #: unless true
+    resume_on_other_data: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -308,11 +333,11 @@ def check_job(job: JobConfig) -> None:
     fractions = {
         "lr_scheduler.min_lr_ratio": job.lr_scheduler.min_lr_ratio,
         "lr_scheduler.wsd_decay_ratio": job.lr_scheduler.wsd_decay_ratio,
-        "data.holdout": job.data.holdout,
     }
     for key, number in fractions.items():
         if not 0.0 <= number <= 1.0:
             raise ConfigError(f"expected a float in [0, 1], found {number}", path=key)
+    check_data_config(job)
     if job.training.param_dtype == "float16":
         raise ConfigError(
             "expected bfloat16 or float32 (float16 needs loss scaling, which hp-train does not "
@@ -321,6 +346,55 @@ def check_job(job: JobConfig) -> None:
         )
     if job.parallelism.dp_shard != -1:  # else once the world is known (resolve_world)
         batch_layout(job)  # raises on a batch that does not divide
+
+
+def check_data_config(job: JobConfig) -> None:
+    """``[data]``'s values that cannot make a run: a ConfigError naming the key.
+
+    Example::
+
+        >>> check_data_config(JobConfig().apply_overrides(["data.holdout=1"]))
+        Traceback (most recent call last):
+        ...
+        hyper_parallel.config.errors.ConfigError: data.holdout: expected a share in [0, 1) of the samples to hold out for validation (1 leaves none to train on), found 1.0
+    """
+    data = job.data
+    holdout = data.holdout
+    if not (math.isfinite(holdout) and 0.0 <= holdout < 1.0):
+        raise ConfigError(
+            "expected a share in [0, 1) of the samples to hold out for validation (1 leaves "
+            f"none to train on), found {holdout}",
+            path="data.holdout",
+        )
+    if job.validation.interval and not job.validation.path and holdout == 0.0:
+        raise ConfigError(
+            f"validation.interval = {job.validation.interval} validates on the held-out tail: "
+            "expected a share in (0, 1), or a validation.path, found 0.0",
+            path="data.holdout",
+        )
+    try:
+        codecs.lookup(data.encoding)
+    except LookupError:
+        raise ConfigError(
+            f"expected a text encoding Python knows (utf-8, latin-1, cp1252, ...), found "
+            f"{data.encoding!r}",
+            path="data.encoding",
+        ) from None
+    if data.mix and data.path:
+        raise ConfigError(
+            f"expected either data.path or data.mix, found both (data.path = {data.path!r})",
+            path="data.mix",
+        )
+    for number, source in enumerate(data.mix):
+        if not source.path:
+            raise ConfigError(
+                "expected a prepared directory, found ''", path=f"data.mix[{number}].path"
+            )
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(
+                f"expected a finite weight > 0, found {source.weight}",
+                path=f"data.mix[{number}].weight",
+            )
 
 
 def batch_layout(job: JobConfig) -> tuple[int, int]:

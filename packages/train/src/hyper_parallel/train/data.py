@@ -10,31 +10,28 @@ position (samples consumed) is all it needs to continue exactly after a resume.
 
 from __future__ import annotations
 
-import glob
-import importlib
-import json
-import sysconfig
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from hyper_parallel.train.documents import builtin_corpus, find_files, read_documents
 from hyper_parallel.train.tokenizer import Tokenizer
 
 __all__ = [
     "Batch",
     "BatchSampler",
+    "InMemoryTokens",
     "PackedSamples",
+    "Prefetcher",
+    "TokenSource",
     "builtin_corpus",
     "find_files",
     "pack",
     "read_documents",
 ]
-
-#: The built-in corpus's size: enough text for a small model, tokenized in well under a second.
-BUILTIN_CORPUS_BYTES = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -50,127 +47,33 @@ class Batch:
         return Batch(self.tokens.to(device), self.targets.to(device), self.document_ids.to(device))
 
 
-def builtin_corpus() -> list[Path]:
-    """The built-in corpus: the first ~2 MB of the Python standard library's own sources.
+class TokenSource(Protocol):
+    """A token stream with its documents: in memory (:func:`pack`) or memory-mapped shards."""
 
-    Found at run time (no download, nothing shipped); the same files on every rank.
-
-    Example::
-
-        >>> all(path.suffix == ".py" for path in builtin_corpus())
-        True
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        files.append(path)
-        total += path.stat().st_size
-        if total >= BUILTIN_CORPUS_BYTES:
-            break
-    if not files:
-        raise FileNotFoundError(f"data.path = '': no Python sources in the standard library {root}")
-    return files
-
-
-def _is_hf_dataset(path: Path) -> bool:
-    return path.is_dir() and any(
-        (path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")
-    )
-
-
-def find_files(path: str, *, key: str = "data.path") -> list[Path]:
-    """The files ``path`` names: a file, every file under a directory, or a glob's matches.
-
-    Example::
-
-        >>> find_files("/nonexistent/*.txt")
-        Traceback (most recent call last):
+    def __len__(self) -> int:
+        """The number of tokens."""
         ...
-        FileNotFoundError: data.path = '/nonexistent/*.txt': expected a file, a directory or a glob matching files, found no match
-    """
-    target = Path(path)
-    if target.is_file():
-        return [target]
-    if target.is_dir():
-        found = [p for p in sorted(target.rglob("*")) if p.is_file() and not _hidden(p, target)]
-    else:
-        found = [Path(p) for p in sorted(glob.glob(path, recursive=True)) if Path(p).is_file()]
-    if not found:
-        raise FileNotFoundError(
-            f"{key} = {path!r}: expected a file, a directory or a glob matching files, "
-            "found no match"
-        )
-    return found
+
+    def window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``start .. stop - 1`` and the number of the document each belongs to (int64)."""
+        ...
 
 
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
+class InMemoryTokens:
+    """A token stream and each token's document number, as two int64 tensors."""
 
+    def __init__(self, stream: torch.Tensor, document: torch.Tensor) -> None:
+        self.stream, self.document = stream, document
 
-def read_documents(
-    path: str, *, format: str = "auto", field: str = "text", key: str = "data.path"
-) -> Iterator[str]:
-    """The documents of ``path``: each text file, each JSONL line's ``field``, each dataset row's.
+    def __len__(self) -> int:
+        return self.stream.numel()
 
-    ``""`` is the built-in corpus. ``format`` ``"auto"`` reads ``.jsonl``/``.json`` files as
-    JSONL, a ``save_to_disk`` directory as a dataset and anything else as text.
-
-    Example::
-
-        >>> isinstance(next(read_documents("")), str)
-        True
-    """
-    if path and (format == "hf" or (format == "auto" and _is_hf_dataset(Path(path)))):
-        yield from _dataset_documents(path, field, key)
-        return
-    files = builtin_corpus() if not path else find_files(path, key=key)
-    for file in files:
-        as_jsonl = format == "jsonl" or (
-            format == "auto" and file.suffix.lower() in (".jsonl", ".json")
-        )
-        text = file.read_text(encoding="utf-8", errors="replace")
-        if not as_jsonl:
-            yield text
-            continue
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise ValueError(
-                    f"{key}: {file}:{number}: expected a JSON object, found {error}"
-                ) from error
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(
-                    f"{key}: {file}:{number}: expected an object with a string field "
-                    f"{field!r} (data.field), found keys {sorted(record)[:8] if isinstance(record, dict) else type(record).__name__}"
-                )
-            yield record[field]
-
-
-def _dataset_documents(path: str, field: str, key: str) -> Iterator[str]:
-    try:
-        datasets: Any = importlib.import_module("datasets")
-    except ModuleNotFoundError as error:
-        raise ModuleNotFoundError(
-            f"{key} = {path!r} is a Hugging Face datasets directory: pip install 'hp-train[datasets]'"
-        ) from error
-    loaded: Any = datasets.load_from_disk(path)
-    if isinstance(loaded, datasets.DatasetDict):
-        split = "train" if "train" in loaded else next(iter(loaded))
-        loaded = loaded[split]
-    if field not in loaded.column_names:
-        raise ValueError(
-            f"{key} = {path!r}: expected a column {field!r} (data.field), found "
-            f"{loaded.column_names}"
-        )
-    for row in loaded:
-        yield str(row[field])
+    def window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.stream[start:stop], self.document[start:stop]
 
 
 class PackedSamples:
-    """Documents tokenized, joined with EOS and cut into samples of ``seq_len`` (+1 for targets).
+    """A token stream cut into samples of ``seq_len`` (+1 for targets): tokens ``start .. stop - 1``.
 
     Example::
 
@@ -180,23 +83,38 @@ class PackedSamples:
         (2, [0, 0, 0])
     """
 
-    def __init__(self, stream: torch.Tensor, document: torch.Tensor, seq_len: int) -> None:
-        self.stream, self.document, self.seq_len = stream, document, seq_len
+    def __init__(
+        self, source: TokenSource, seq_len: int, *, start: int = 0, stop: int | None = None
+    ) -> None:
+        self.source, self.seq_len = source, seq_len
+        self.start = start
+        self.stop = len(source) if stop is None else min(stop, len(source))
+
+    @property
+    def tokens(self) -> int:
+        """The number of tokens the samples are cut from."""
+        return max(0, self.stop - self.start)
+
+    @property
+    def stream(self) -> torch.Tensor:
+        """All the tokens (reads them all: for small sets and tests)."""
+        return self.source.window(self.start, self.stop)[0]
 
     def __len__(self) -> int:
-        return max(0, (self.stream.numel() - 1) // self.seq_len)
+        return max(0, (self.tokens - 1) // self.seq_len)
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(tokens, targets, document_ids)`` of sample ``index``, each ``(seq_len,)``."""
-        start = index * self.seq_len
-        window = self.stream[start : start + self.seq_len + 1]
-        documents = self.document[start : start + self.seq_len]
+        start = self.start + index * self.seq_len
+        window, documents = self.source.window(start, start + self.seq_len + 1)
+        documents = documents[: self.seq_len]
         return window[:-1], window[1:], documents - documents[0]
 
     def subset(self, first: int, last: int) -> PackedSamples:
         """Samples ``first`` to ``last - 1`` as their own set."""
-        start, stop = first * self.seq_len, last * self.seq_len + 1
-        return PackedSamples(self.stream[start:stop], self.document[start:stop], self.seq_len)
+        start = self.start + first * self.seq_len
+        stop = self.start + last * self.seq_len + 1
+        return PackedSamples(self.source, self.seq_len, start=start, stop=min(stop, self.stop))
 
     def batch(self, indices: list[int]) -> Batch:
         """The samples ``indices`` stacked as one :class:`Batch`."""
@@ -222,10 +140,9 @@ def pack(
         pieces.append(ids)
         owners.append(torch.full_like(ids, number))
     if not pieces:
-        return PackedSamples(
-            torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), seq_len
-        )
-    return PackedSamples(torch.cat(pieces), torch.cat(owners), seq_len)
+        empty = torch.empty(0, dtype=torch.long)
+        return PackedSamples(InMemoryTokens(empty, empty), seq_len)
+    return PackedSamples(InMemoryTokens(torch.cat(pieces), torch.cat(owners)), seq_len)
 
 
 class BatchSampler:
@@ -260,7 +177,7 @@ class BatchSampler:
         if len(samples) == 0:
             raise ValueError(
                 f"expected at least one sample of seq_len {samples.seq_len} + 1 tokens, found "
-                f"{samples.stream.numel()} tokens (more text, or a shorter training.seq_len)"
+                f"{samples.tokens} tokens (more text, or a shorter training.seq_len)"
             )
         self.samples, self.seed, self.shuffle = samples, seed, shuffle
         self.dp_rank, self.dp = dp_rank, dp
@@ -285,17 +202,94 @@ class BatchSampler:
         n = len(self.samples)
         return [int(self._order(p // n)[p % n]) for p in range(position, position + count)]
 
+    def rows(self, position: int, count: int) -> Batch:
+        """The samples at positions ``position .. position + count - 1`` as one batch."""
+        return self.samples.batch(self.indices(position, count))
+
+    def step_batches(self, position: int) -> list[Batch]:
+        """This rank's microbatches of the global batch that starts at ``position``."""
+        per_rank = self.local_batch * self.accumulation
+        first = position + self.dp_rank * per_rank
+        return [
+            self.rows(first + i, self.local_batch) for i in range(0, per_rank, self.local_batch)
+        ]
+
     def next_step(self) -> list[Batch]:
         """This rank's microbatches of the next global batch (advances ``position``)."""
-        per_rank = self.local_batch * self.accumulation
-        mine = self.indices(self.position + self.dp_rank * per_rank, per_rank)
+        batches = self.step_batches(self.position)
         self.position += self.global_batch
-        return [
-            self.samples.batch(mine[i : i + self.local_batch])
-            for i in range(0, per_rank, self.local_batch)
-        ]
+        return batches
 
     @property
     def epoch(self) -> float:
         """Epochs consumed so far (fractional)."""
         return self.position / len(self.samples)
+
+
+class Sampler(Protocol):
+    """What the training loop reads batches from (:class:`BatchSampler`, a mixture's sampler)."""
+
+    position: int
+    global_batch: int
+
+    def step_batches(self, position: int) -> list[Batch]:
+        """This rank's microbatches of the global batch that starts at ``position``."""
+        ...
+
+    @property
+    def epoch(self) -> float:
+        """Epochs consumed so far (fractional)."""
+        ...
+
+
+class Prefetcher:
+    """A sampler whose next step's batches are read in a background thread while a step runs.
+
+    ``position`` is the samples consumed (what a checkpoint saves), never the prefetched
+    ones: setting it (a resume) drops a prefetch made for another position.
+
+    Example::
+
+        >>> from hyper_parallel.train.tokenizer import ByteTokenizer
+        >>> samples = pack(["x" * 40], ByteTokenizer(), seq_len=4)
+        >>> loader = Prefetcher(BatchSampler(samples, seed=0, dp_rank=0, dp=1, local_batch=2,
+        ...                                  accumulation=1))
+        >>> [b.tokens.shape for b in loader.next_step()], loader.position
+        ([torch.Size([2, 4])], 2)
+        >>> loader.close()
+    """
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-train-data")
+        self._ahead: tuple[int, Future[list[Batch]]] | None = None
+
+    @property
+    def position(self) -> int:
+        """Samples consumed, all ranks together."""
+        return self.sampler.position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self.sampler.position = value
+
+    @property
+    def epoch(self) -> float:
+        """Epochs consumed so far (fractional)."""
+        return self.sampler.epoch
+
+    def next_step(self) -> list[Batch]:
+        """This rank's microbatches of the next global batch; starts reading the one after."""
+        position = self.sampler.position
+        if self._ahead is not None and self._ahead[0] == position:
+            batches = self._ahead[1].result()
+        else:
+            batches = self.sampler.step_batches(position)
+        following = position + self.sampler.global_batch
+        self._ahead = (following, self._pool.submit(self.sampler.step_batches, following))
+        self.sampler.position = following
+        return batches
+
+    def close(self) -> None:
+        """Stop the background thread (a prefetch in flight finishes first)."""
+        self._pool.shutdown(wait=True)

@@ -54,9 +54,11 @@ from hyper_parallel.train.checkpoints import (
 )
 from hyper_parallel.train.checks import check_layout, parallel_dims, resolve_world
 from hyper_parallel.train.config import JobConfig, batch_layout
-from hyper_parallel.train.data import Batch, BatchSampler, PackedSamples, pack, read_documents
+from hyper_parallel.train.data import Batch, PackedSamples, Prefetcher
+from hyper_parallel.train.job_data import check_resumed_data, load_job_data, make_sampler
 from hyper_parallel.train.lr import lr_at
 from hyper_parallel.train.metrics import MetricsLogger, RunSummary, StartupTimes, StepMetrics
+from hyper_parallel.train.mixture import Mixture
 from hyper_parallel.train.precision import autocast_dtype, mixed_precision_policy
 from hyper_parallel.train.tokenizer import Tokenizer, build_tokenizer
 
@@ -145,8 +147,8 @@ class _State:
     """What the loop advances and a checkpoint holds (``app``): optimizer, data position, step, RNG."""
 
     optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
-    val_samples: PackedSamples
+    sampler: Prefetcher
+    val_samples: PackedSamples | Mixture
     train: TrainingState
     app: dict[str, Any]
 
@@ -156,14 +158,16 @@ def _restore(plan: _Plan, built: BuiltModel, resume: bool, times: StartupTimes) 
     job = plan.job
     optimizer = build_optimizer(job, built.parts)
     with times.phase("data"):
-        train_samples, val_samples = load_samples(job, plan.tokenizer)
-    sampler = BatchSampler(
-        train_samples,
-        seed=job.training.seed,
-        dp_rank=plan.dims.batch_mesh.get_local_rank(0),
-        dp=plan.dims.dp,
-        local_batch=plan.local_batch,
-        accumulation=plan.accumulation,
+        data = load_job_data(job, plan.tokenizer)
+    sampler = Prefetcher(  # the next step's batches are read while a step runs
+        make_sampler(
+            data.train,
+            seed=job.training.seed,
+            dp_rank=plan.dims.batch_mesh.get_local_rank(0),
+            dp=plan.dims.dp,
+            local_batch=plan.local_batch,
+            accumulation=plan.accumulation,
+        )
     )
     state = TrainingState(device=plan.device)
     # a stage keeps the full model's FQNs: each rank saves and loads its own stage's states;
@@ -184,11 +188,13 @@ def _restore(plan: _Plan, built: BuiltModel, resume: bool, times: StartupTimes) 
                 f"{saved_model!r} in {str(step_path(job.checkpoint.dir, loaded))!r}",
                 path="checkpoint.dir",
             )
+        check_resumed_data(state.extra.get("data"), job, str(step_path(job.checkpoint.dir, loaded)))
         sampler.position = state.data_position
     elif job.checkpoint.overwrite and plan.rank == 0:
         clear_checkpoints(job)  # checked: a fresh run into another run's checkpoints
     state.extra["model"] = job.model.name
-    return _State(optimizer, sampler, val_samples, state, app)
+    state.extra["data"] = data.identity
+    return _State(optimizer, sampler, data.validation, state, app)
 
 
 class _Loop:
@@ -358,6 +364,7 @@ class _Loop:
     def finish(self) -> RunSummary | None:
         """Commit a save in flight, export Hugging Face weights, close the metrics."""
         job, plan, built = self.plan.job, self.plan, self.built
+        self.state.sampler.close()
         if self.pending is not None:
             self.pending.wait()
             _keep_last(job, plan.rank)
@@ -404,26 +411,12 @@ class _Stop:
                 signal.signal(s, h)
 
 
-def load_samples(job: JobConfig, tokenizer: Tokenizer) -> tuple[PackedSamples, PackedSamples]:
+def load_samples(
+    job: JobConfig, tokenizer: Tokenizer
+) -> tuple[PackedSamples | Mixture, PackedSamples | Mixture]:
     """The training samples and the validation samples (``validation.path`` or a held-out tail)."""
-    data = job.data
-    everything = pack(
-        read_documents(data.path, format=data.format, field=data.field),
-        tokenizer,
-        seq_len=job.training.seq_len,
-    )
-    if job.validation.path:
-        held = pack(
-            read_documents(
-                job.validation.path, format=data.format, field=data.field, key="validation.path"
-            ),
-            tokenizer,
-            seq_len=job.training.seq_len,
-        )
-        return everything, held
-    n = len(everything)
-    tail = max(1, int(n * data.holdout)) if data.holdout > 0 and n > 1 else 0
-    return everything.subset(0, n - tail), everything.subset(n - tail, n)
+    data = load_job_data(job, tokenizer)
+    return data.train, data.validation
 
 
 def _gather_stages(
@@ -473,7 +466,7 @@ def _gather_stages(
 
 def validate(
     model: torch.nn.Module | Pipeline,
-    samples: PackedSamples,
+    samples: PackedSamples | Mixture,
     job: JobConfig,
     mesh: DeviceMesh,
     dp_axes: tuple[str, ...],
@@ -494,7 +487,7 @@ def validate(
         val = validate(pipe, held_out, job, loss_mesh, ("loss",), dp_rank, dp, 4, device,
                        pp_mesh=dims.get_mesh("pp"))
     """
-    sampler = BatchSampler(
+    sampler = make_sampler(
         samples,
         seed=0,
         dp_rank=dp_rank,
