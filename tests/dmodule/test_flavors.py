@@ -11,6 +11,8 @@ on one process; the big models only on the meta device.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -346,3 +348,33 @@ def test_from_hf_names_the_file_that_is_not_json(cls: Any, tmp_path: Path) -> No
     assert str(tmp_path) in str(error.value)
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         cls.from_hf(tmp_path / "nowhere")
+
+
+# -- the registry knows the built-in models; a meta build computes nothing ----------------------
+_FRESH = """
+import sys
+import torch
+from hyper_parallel.dmodule import get_spec
+from hyper_parallel.dmodule.model_spec import _default_registry
+assert "hyper_parallel.dmodule.models.llama" not in sys.modules, "imported before asked"
+print(_default_registry.names())
+llama = get_spec("llama-ref").config("405B")
+print(llama.n_layers, get_spec("qwen3-ref").config("0.6B").tie_word_embeddings)
+with torch.device("meta"):
+    get_spec("llama-ref").config("1B").build()
+    get_spec("qwen3-ref").config("debug").build()
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_get_spec_knows_the_built_in_models_and_meta_builds_import_no_dynamo() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    names, counts, imported = done.stdout.strip().splitlines()
+    assert names == "['llama-ref', 'qwen3-ref']"
+    assert counts == "126 True"
+    # torch.arange/empty_like on meta run torch's Python references, which import torch._dynamo
+    # (seconds): the RoPE tables are not computed there
+    assert imported == "[]"

@@ -8,16 +8,48 @@ so the map between them renames keys and leaves values as they are.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.layers.rope import RopeScaling
 from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap
 
-if TYPE_CHECKING:
-    from hyper_parallel.dmodule.models.llama import Llama
+# llama.py imports this file (its Config's from_hf, its spec's adapter); this file imports
+# no model: it reads the fields below, which Llama.Config has.
+_C = TypeVar("_C")
 
-__all__ = ["LlamaStateDictAdapter", "llama_config_from_hf", "llama_config_to_hf"]
+
+class LlamaFields(Protocol):
+    """The fields of ``Llama.Config`` that ``config.json`` describes."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int | None: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> RopeScaling | None: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def use_rope(self) -> bool: ...
+
+
+__all__ = ["LlamaFields", "LlamaStateDictAdapter", "llama_config_from_hf", "llama_config_to_hf"]
 
 # (our FQN pattern, Hugging Face key pattern); {i} is a layer index
 _KEYS = (
@@ -49,7 +81,7 @@ class LlamaStateDictAdapter:
         ['model.layers.0.self_attn.q_proj.weight']
     """
 
-    def __init__(self, config: Llama.Config) -> None:
+    def __init__(self, config: LlamaFields) -> None:
         self.config = config
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -70,9 +102,7 @@ class LlamaStateDictAdapter:
         return llama_config_to_hf(self.config)
 
 
-def llama_config_from_hf(
-    cls: type[Llama.Config], directory: str | os.PathLike[str]
-) -> Llama.Config:
+def llama_config_from_hf(cls: Callable[..., _C], directory: str | os.PathLike[str]) -> _C:
     """``Llama.Config.from_hf``: a Config from a transformers Llama ``config.json``.
 
     Reads ``tie_word_embeddings`` and Llama 3.1's ``llama3`` RoPE scaling (``rope_scaling``
@@ -111,13 +141,13 @@ def llama_config_from_hf(
 
 
 def _config(
-    cls: type[Llama.Config],
+    cls: Callable[..., _C],
     hf: HFFields,
     rope: dict[str, Any],
     rope_type: str,
     dim: int,
     n_heads: int,
-) -> Llama.Config:
+) -> _C:
     scaling = None
     if rope_type == "llama3":
         section = HFFields(rope, f"{hf.path}: rope_scaling")
@@ -156,7 +186,7 @@ def _rope_section(hf: HFFields) -> dict[str, Any]:
     return {}
 
 
-def llama_config_to_hf(config: Llama.Config) -> dict[str, Any]:
+def llama_config_to_hf(config: LlamaFields) -> dict[str, Any]:
     """The ``config.json`` of ``LlamaForCausalLM`` computing what ``config`` does.
 
     Example::

@@ -11,17 +11,59 @@ the Hub's per-expert matrices: our ``experts.w1 [E, hidden, dim]`` is the Hub's
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap
 
-if TYPE_CHECKING:
-    from hyper_parallel.dmodule.models.qwen3 import Qwen3
+# qwen3.py imports this file (its Config's from_hf, its spec's adapter); this file imports
+# no model: it reads the fields below, which Qwen3.Config has.
+_C = TypeVar("_C")
 
-__all__ = ["Qwen3StateDictAdapter", "qwen3_config_from_hf", "qwen3_config_to_hf"]
+
+class Qwen3Fields(Protocol):
+    """The fields of ``Qwen3.Config`` that ``config.json`` describes."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def moe_ffn_dim(self) -> int: ...
+    @property
+    def decoder_sparse_step(self) -> int: ...
+    @property
+    def mlp_only_layers(self) -> tuple[int, ...]: ...
+    @property
+    def route_norm(self) -> bool: ...
+
+
+__all__ = ["Qwen3Fields", "Qwen3StateDictAdapter", "qwen3_config_from_hf", "qwen3_config_to_hf"]
 
 # (our FQN pattern, Hugging Face key pattern); {i} is a layer index
 _KEYS = (
@@ -65,7 +107,7 @@ class Qwen3StateDictAdapter:
         ['model.layers.0.mlp.experts.0.gate_proj.weight', 'model.layers.0.mlp.experts.1.gate_proj.weight']
     """
 
-    def __init__(self, config: Qwen3.Config) -> None:
+    def __init__(self, config: Qwen3Fields) -> None:
         self.config = config
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -145,9 +187,7 @@ def _num_experts(hf: dict[str, Any]) -> int:
     return int(hf.get("num_local_experts", hf.get("num_experts")) or 0)
 
 
-def qwen3_config_from_hf(
-    cls: type[Qwen3.Config], directory: str | os.PathLike[str]
-) -> Qwen3.Config:
+def qwen3_config_from_hf(cls: Callable[..., _C], directory: str | os.PathLike[str]) -> _C:
     """``Qwen3.Config.from_hf``: a Config from a ``Qwen3Config`` or ``Qwen3MoeConfig`` json.
 
     Reads ``tie_word_embeddings``. Fields qwen3-ref does not implement (biases, another
@@ -217,7 +257,7 @@ def qwen3_config_from_hf(
         raise ValueError(f"{where}: {hf.path}: {error}") from None
 
 
-def qwen3_config_to_hf(config: Qwen3.Config) -> dict[str, Any]:
+def qwen3_config_to_hf(config: Qwen3Fields) -> dict[str, Any]:
     """The ``config.json`` of the transformers model computing what ``config`` does.
 
     ``Qwen3ForCausalLM`` when ``num_experts == 0``, else ``Qwen3MoeForCausalLM``.
