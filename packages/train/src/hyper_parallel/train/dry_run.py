@@ -70,6 +70,9 @@ class RoleReport:
     fsdp_unsharded_bytes: int = 0
     #: the logits' gradient (last stage) or the activation sent on (other stages)
     output_bytes: int = 0
+    #: mesh axis -> bytes this rank's collectives send in one microbatch's forward (FSDP's
+    #: all-gathers, TP/SP/CP/EP exchanges; a backward moves about as much again)
+    forward_collective_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The role as plain JSON values."""
@@ -83,6 +86,7 @@ class RoleReport:
             "microbatches_in_flight": self.microbatches_in_flight,
             "fsdp_unsharded_bytes": self.fsdp_unsharded_bytes,
             "output_bytes": self.output_bytes,
+            "forward_collective_bytes": self.forward_collective_bytes,
             "total_bytes": self.total_bytes,
             "largest": [[size, name] for size, name in self.largest],
         }
@@ -133,6 +137,8 @@ class _Activations:
     boundary: int
     logits: int
     largest: list[tuple[int, str]]
+    #: piece -> mesh axis -> bytes its forward collectives send in
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -237,9 +243,9 @@ def dry_run(
     )
 
 
-def _degrees(job: JobConfig) -> tuple[int, ...]:
+def _degrees(job: JobConfig) -> tuple[object, ...]:
     p = job.parallelism
-    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp, hash(p.activation_checkpoint))
+    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp, p.activation_checkpoint)
 
 
 def _mp_key(job: JobConfig) -> str:
@@ -435,6 +441,8 @@ def _measure(
     seq = job.training.seq_len
     with fake_world(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
+        # torch's notice that selective checkpointing bypasses outer hooks: counted apart here
+        warnings.filterwarnings("ignore", "A saved_tensors_hooks context", FutureWarning)
         model.to_empty(device="cpu")
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
@@ -454,10 +462,12 @@ def _measure(
 
         counted = count_activations(model, blocks, run)
     pieces = {"first": counted.by_label.get("first", 0), "last": counted.by_label.get("last", 0)}
+    sent = {p: counted.collectives.get(p, {}) for p in ("first", "last")}
     for label, kind, _ in blocks:
         pieces.setdefault(kind, counted.by_label.get(label, 0))
+        sent.setdefault(kind, counted.collectives.get(label, {}))
     return _Activations(
-        pieces, counted.recompute, counted.boundary, counted.logits, counted.largest
+        pieces, counted.recompute, counted.boundary, counted.logits, counted.largest, sent
     )
 
 
@@ -495,6 +505,10 @@ def _roles(
         else:
             in_flight = min(n_microbatches, pp - stage)
         output = acts.logits if stage == pp - 1 else acts.boundary * in_flight
+        sent: dict[str, int] = {}
+        for piece, n in held.items():
+            for axis, nbytes in acts.collectives.get(piece, {}).items():
+                sent[axis] = sent.get(axis, 0) + nbytes * n
         groups = [pieces.fsdp_groups[p] for p in held if p in pieces.fsdp_groups]
         biggest = max(groups, default=(0, 0))
         fsdp = 2 * biggest[0] + biggest[1]
@@ -520,6 +534,7 @@ def _roles(
                     microbatches_in_flight=in_flight,
                     fsdp_unsharded_bytes=fsdp,
                     output_bytes=output,
+                    forward_collective_bytes=dict(sent),
                 )
             )
     assert sorted(r for role in roles for r in role.ranks) == list(range(world))

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from hyper_parallel.dmodule.activation_checkpoint import is_checkpointed
-from hyper_parallel.dtensor import DTensor
+from hyper_parallel.dtensor import DTensor, collectives
 
 __all__ = [
     "ActivationCount",
@@ -137,6 +137,8 @@ class ActivationCount:
     #: bytes of the model's output on this rank (the logits)
     logits: int
     largest: list[tuple[int, str]]
+    #: per label: the bytes this rank's forward collectives sent in, by mesh axis
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -181,16 +183,27 @@ def count_activations(
             logits[0] = _nbytes_local(output)
 
     handles.append(model.register_forward_hook(head))
+    sent: dict[str, dict[str, int]] = {}
+
+    def record(entry: collectives.CollectiveRecord) -> None:
+        axes = sent.setdefault(counter.label, {})
+        axes[str(entry.mesh_axis)] = axes.get(str(entry.mesh_axis), 0) + entry.nbytes
+
     try:
         before = parameter_storages([model])
-        with counter.saving():
+        with counter.saving(), collectives.observe_collectives(record):
             run()
         exclude = before | parameter_storages([model])
     finally:
         for h in handles:
             h.remove()
     return ActivationCount(
-        counter.bytes_by_label(exclude), recompute, boundary[0], logits[0], counter.largest(exclude)
+        counter.bytes_by_label(exclude),
+        recompute,
+        boundary[0],
+        logits[0],
+        counter.largest(exclude),
+        sent,
     )
 
 
