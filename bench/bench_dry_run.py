@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -75,16 +76,20 @@ def argv_of(name: str) -> list[str]:
     return [f"--model.config={SHAPES[name]}", *COMMON, *extra, f"--world-size={world}"]
 
 
-def run_command(name: str) -> tuple[float, float, dict[str, object]]:
+def run_command(name: str, pycache: str = "") -> tuple[float, float, dict[str, object]]:
     """A fresh ``hp-train --dry-run --json`` process: wall and CPU seconds, and its report.
 
     The CPU seconds (user + system of the process) do not grow with other processes' load
     on the machine; the wall seconds do.
     """
     command = [sys.executable, "-m", "hyper_parallel.train", *argv_of(name), "--dry-run", "--json"]
+    env = dict(os.environ)
+    if pycache:  # bytecode cached there (a sandbox may set PYTHONDONTWRITEBYTECODE)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -125,12 +130,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--in-process", action="store_true", help="also time dry_run() itself")
+    parser.add_argument(
+        "--pycache",
+        default="",
+        metavar="DIR",
+        help="cache bytecode in DIR (one untimed warm-up run first): a start without "
+        "compiling torch's sources, as outside a PYTHONDONTWRITEBYTECODE sandbox",
+    )
     args = parser.parse_args()
     print(
         f"{'case':>5}  {'ranks':>5}  {'roles':>5}  {'busiest GiB':>11}  {'wall s':>7}  {'CPU s':>6}"
     )
     for name in args.only:
-        seconds, cpu, report = run_command(name)
+        if args.pycache:
+            run_command(name, args.pycache)
+        seconds, cpu, report = run_command(name, args.pycache)
         roles = report["roles"]
         assert isinstance(roles, list)
         busiest = float(report["max_total_bytes"]) / 2**30  # type: ignore[arg-type]

@@ -125,6 +125,8 @@ class _Pieces:
     rank_bytes: list[dict[str, tuple[int, int]]]
     #: piece -> unsharded bytes of its largest FSDP group (params in param_dtype, grads)
     fsdp_groups: dict[str, tuple[int, int]]
+    #: piece -> its FSDP groups' unsharded gradients, all of them (a pipeline accumulates them)
+    fsdp_grads: dict[str, int]
     largest_params: list[tuple[int, str]]
 
 
@@ -245,7 +247,7 @@ def dry_run(
 
 def _degrees(job: JobConfig) -> tuple[object, ...]:
     p = job.parallelism
-    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp, p.activation_checkpoint)
+    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp)
 
 
 def _mp_key(job: JobConfig) -> str:
@@ -393,6 +395,7 @@ def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConf
         rank_bytes.append(table)
     policy = mixed_precision_policy(job)
     groups: dict[str, tuple[int, int]] = {}
+    all_grads: dict[str, int] = {}
     names = {id(p): n for n, p in named}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
@@ -408,12 +411,13 @@ def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConf
             reduce = policy.reduce_dtype if policy and policy.reduce_dtype else compute
             params += numel * compute.itemsize
             grads += numel * reduce.itemsize
+        all_grads[piece] = all_grads.get(piece, 0) + grads
         if params > groups.get(piece, (0, 0))[0]:
             groups[piece] = (params, grads)
     largest = sorted(((_local_numel(p, 0) * p.element_size(), n) for n, p in named), reverse=True)[
         :3
     ]
-    return _Pieces(rank_bytes, groups, largest)
+    return _Pieces(rank_bytes, groups, all_grads, largest)
 
 
 def _managed_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -512,6 +516,10 @@ def _roles(
         groups = [pieces.fsdp_groups[p] for p in held if p in pieces.fsdp_groups]
         biggest = max(groups, default=(0, 0))
         fsdp = 2 * biggest[0] + biggest[1]
+        if pp > 1 and n_microbatches > 1:
+            # a pipeline defers FSDP's reduce-scatter to the last microbatch's backward: every
+            # group's unsharded gradient is accumulated until then
+            fsdp = 2 * biggest[0] + sum(pieces.fsdp_grads.get(p, 0) * n for p, n in held.items())
         by_bytes: dict[tuple[int, int], list[int]] = {}
         for sub_rank, table in enumerate(pieces.rank_bytes):
             nbytes = sum(table.get(p, (0, 0))[0] * n for p, n in held.items())
