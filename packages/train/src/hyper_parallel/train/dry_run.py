@@ -127,7 +127,8 @@ class _Pieces:
     fsdp_groups: dict[str, tuple[int, int]]
     #: piece -> its FSDP groups' unsharded gradients, all of them (a pipeline accumulates them)
     fsdp_grads: dict[str, int]
-    largest_params: list[tuple[int, str]]
+    #: piece -> its largest parameter shards on rank 0: ``(bytes, name)``
+    largest_params: dict[str, list[tuple[int, str]]]
 
 
 @dataclass
@@ -138,7 +139,8 @@ class _Activations:
     recompute: dict[str, int]
     boundary: int
     logits: int
-    largest: list[tuple[int, str]]
+    #: piece -> its largest saved activations: ``(bytes, description)``
+    largest: dict[str, list[tuple[int, str]]]
     #: piece -> mesh axis -> bytes its forward collectives send in
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -414,9 +416,10 @@ def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConf
         all_grads[piece] = all_grads.get(piece, 0) + grads
         if params > groups.get(piece, (0, 0))[0]:
             groups[piece] = (params, grads)
-    largest = sorted(((_local_numel(p, 0) * p.element_size(), n) for n, p in named), reverse=True)[
-        :3
-    ]
+    largest: dict[str, list[tuple[int, str]]] = {}
+    for n, p in named:
+        largest.setdefault(piece_of(n), []).append((_local_numel(p, 0) * p.element_size(), n))
+    largest = {piece: sorted(rows, reverse=True)[:3] for piece, rows in largest.items()}
     return _Pieces(rank_bytes, groups, all_grads, largest)
 
 
@@ -467,12 +470,18 @@ def _measure(
         counted = count_activations(model, blocks, run)
     pieces = {"first": counted.by_label.get("first", 0), "last": counted.by_label.get("last", 0)}
     sent = {p: counted.collectives.get(p, {}) for p in ("first", "last")}
+    piece_of = {"first": "first", "last": "last"}
     for label, kind, _ in blocks:
         pieces.setdefault(kind, counted.by_label.get(label, 0))
         sent.setdefault(kind, counted.collectives.get(label, {}))
-    return _Activations(
-        pieces, counted.recompute, counted.boundary, counted.logits, counted.largest, sent
-    )
+        piece_of.setdefault(label, kind)
+    largest: dict[str, list[tuple[int, str]]] = {}
+    for nbytes, text in counted.largest:
+        label, _, what = text.partition(": ")
+        piece = piece_of.get(label)
+        if piece is not None and len(largest.setdefault(piece, [])) < 3:
+            largest[piece].append((nbytes, f"saved by {label}: {what}"))
+    return _Activations(pieces, counted.recompute, counted.boundary, counted.logits, largest, sent)
 
 
 # -- roles -----------------------------------------------------------------------------------
@@ -528,7 +537,14 @@ def _roles(
         for (params, tensors), ranks in sorted(by_bytes.items(), key=lambda kv: kv[1][0]):
             optimizer = 2 * params + 4 * tensors  # AdamW's two moments and its step counts
             total = params * 2 + optimizer + per_mb * in_flight + recompute + output + fsdp
-            largest = sorted([*pieces.largest_params, *acts.largest], reverse=True)[:4]
+            largest = sorted(
+                (
+                    row
+                    for piece in held
+                    for row in (*pieces.largest_params.get(piece, ()), *acts.largest.get(piece, ()))
+                ),
+                reverse=True,
+            )[:4]
             roles.append(
                 RoleReport(
                     ranks=ranks,

@@ -75,6 +75,8 @@ class SavedTensors:
 
     label: str = ""
     seen: dict[int, _Saved] = field(default_factory=dict)
+    #: set while a checkpointed block's forward is replayed to measure its recompute
+    replaying: bool = False
 
     def add(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage (once) for the current label."""
@@ -186,6 +188,8 @@ def count_activations(
     sent: dict[str, dict[str, int]] = {}
 
     def record(entry: collectives.CollectiveRecord) -> None:
+        if counter.replaying:
+            return  # the measurement's own replay, not the run's
         axes = sent.setdefault(counter.label, {})
         axes[str(entry.mesh_axis)] = axes.get(str(entry.mesh_axis), 0) + entry.nbytes
 
@@ -202,7 +206,7 @@ def count_activations(
         recompute,
         boundary[0],
         logits[0],
-        counter.largest(exclude),
+        counter.largest(exclude, n=64),
         sent,
     )
 
@@ -229,8 +233,12 @@ def _block_pre_hook(
             return
         replay = SavedTensors()
         kept = _PolicySaved(policy, counter) if policy is not None else nullcontext()
-        with torch.enable_grad(), replay.saving(), kept:
-            checkpointed._run(*args, **kwargs)  # the block's own forward, no checkpoint
+        counter.replaying = True
+        try:
+            with torch.enable_grad(), replay.saving(), kept:
+                checkpointed._run(*args, **kwargs)  # the block's own forward, no checkpoint
+        finally:
+            counter.replaying = False
         if kind not in recompute:
             recompute[kind] = sum(replay.bytes_by_label(parameter_storages([block])).values())
 
