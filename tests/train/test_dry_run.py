@@ -44,4 +44,6 @@ def test_dry_run_gives_each_ranks_fully_sharded_bytes_and_refuses_over_the_limit
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["world_size"] == 2
     assert main([f"--data.path={tmp_path}", "--dry-run", "--dry-run-memory", "0.00001"]) == 2
-    assert "largest tensors: " in capsys.readouterr().err
+    refusal = capsys.readouterr().err
+    assert "stage 0 (ranks 0) needs" in refusal and "over --dry-run-memory 1e-05 GiB" in refusal
+    assert "largest tensors: " in refusal

@@ -70,6 +70,9 @@ class RoleReport:
     fsdp_unsharded_bytes: int = 0
     #: the logits' gradient (last stage) or the activation sent on (other stages)
     output_bytes: int = 0
+    #: mesh axis -> bytes this rank's collectives send in one microbatch's forward (FSDP's
+    #: all-gathers, TP/SP/CP/EP exchanges; a backward moves about as much again)
+    forward_collective_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The role as plain JSON values."""
@@ -83,6 +86,7 @@ class RoleReport:
             "microbatches_in_flight": self.microbatches_in_flight,
             "fsdp_unsharded_bytes": self.fsdp_unsharded_bytes,
             "output_bytes": self.output_bytes,
+            "forward_collective_bytes": self.forward_collective_bytes,
             "total_bytes": self.total_bytes,
             "largest": [[size, name] for size, name in self.largest],
         }
@@ -121,7 +125,10 @@ class _Pieces:
     rank_bytes: list[dict[str, tuple[int, int]]]
     #: piece -> unsharded bytes of its largest FSDP group (params in param_dtype, grads)
     fsdp_groups: dict[str, tuple[int, int]]
-    largest_params: list[tuple[int, str]]
+    #: piece -> its FSDP groups' unsharded gradients, all of them (a pipeline accumulates them)
+    fsdp_grads: dict[str, int]
+    #: piece -> its largest parameter shards on rank 0: ``(bytes, name)``
+    largest_params: dict[str, list[tuple[int, str]]]
 
 
 @dataclass
@@ -132,7 +139,10 @@ class _Activations:
     recompute: dict[str, int]
     boundary: int
     logits: int
-    largest: list[tuple[int, str]]
+    #: piece -> its largest saved activations: ``(bytes, description)``
+    largest: dict[str, list[tuple[int, str]]]
+    #: piece -> mesh axis -> bytes its forward collectives send in
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -237,9 +247,9 @@ def dry_run(
     )
 
 
-def _degrees(job: JobConfig) -> tuple[int, ...]:
+def _degrees(job: JobConfig) -> tuple[object, ...]:
     p = job.parallelism
-    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp, hash(p.activation_checkpoint))
+    return (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.etp)
 
 
 def _mp_key(job: JobConfig) -> str:
@@ -387,6 +397,7 @@ def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConf
         rank_bytes.append(table)
     policy = mixed_precision_policy(job)
     groups: dict[str, tuple[int, int]] = {}
+    all_grads: dict[str, int] = {}
     names = {id(p): n for n, p in named}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
@@ -402,12 +413,14 @@ def _piece_bytes(model: torch.nn.Module, piece_of: Any, world: int, job: JobConf
             reduce = policy.reduce_dtype if policy and policy.reduce_dtype else compute
             params += numel * compute.itemsize
             grads += numel * reduce.itemsize
+        all_grads[piece] = all_grads.get(piece, 0) + grads
         if params > groups.get(piece, (0, 0))[0]:
             groups[piece] = (params, grads)
-    largest = sorted(((_local_numel(p, 0) * p.element_size(), n) for n, p in named), reverse=True)[
-        :3
-    ]
-    return _Pieces(rank_bytes, groups, largest)
+    largest: dict[str, list[tuple[int, str]]] = {}
+    for n, p in named:
+        largest.setdefault(piece_of(n), []).append((_local_numel(p, 0) * p.element_size(), n))
+    largest = {piece: sorted(rows, reverse=True)[:3] for piece, rows in largest.items()}
+    return _Pieces(rank_bytes, groups, all_grads, largest)
 
 
 def _managed_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -435,6 +448,8 @@ def _measure(
     seq = job.training.seq_len
     with fake_world(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
+        # torch's notice that selective checkpointing bypasses outer hooks: counted apart here
+        warnings.filterwarnings("ignore", "A saved_tensors_hooks context", FutureWarning)
         model.to_empty(device="cpu")
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
@@ -454,11 +469,19 @@ def _measure(
 
         counted = count_activations(model, blocks, run)
     pieces = {"first": counted.by_label.get("first", 0), "last": counted.by_label.get("last", 0)}
+    sent = {p: counted.collectives.get(p, {}) for p in ("first", "last")}
+    piece_of = {"first": "first", "last": "last"}
     for label, kind, _ in blocks:
         pieces.setdefault(kind, counted.by_label.get(label, 0))
-    return _Activations(
-        pieces, counted.recompute, counted.boundary, counted.logits, counted.largest
-    )
+        sent.setdefault(kind, counted.collectives.get(label, {}))
+        piece_of.setdefault(label, kind)
+    largest: dict[str, list[tuple[int, str]]] = {}
+    for nbytes, text in counted.largest:
+        label, _, what = text.partition(": ")
+        piece = piece_of.get(label)
+        if piece is not None and len(largest.setdefault(piece, [])) < 3:
+            largest[piece].append((nbytes, f"saved by {label}: {what}"))
+    return _Activations(pieces, counted.recompute, counted.boundary, counted.logits, largest, sent)
 
 
 # -- roles -----------------------------------------------------------------------------------
@@ -495,9 +518,17 @@ def _roles(
         else:
             in_flight = min(n_microbatches, pp - stage)
         output = acts.logits if stage == pp - 1 else acts.boundary * in_flight
+        sent: dict[str, int] = {}
+        for piece, n in held.items():
+            for axis, nbytes in acts.collectives.get(piece, {}).items():
+                sent[axis] = sent.get(axis, 0) + nbytes * n
         groups = [pieces.fsdp_groups[p] for p in held if p in pieces.fsdp_groups]
         biggest = max(groups, default=(0, 0))
         fsdp = 2 * biggest[0] + biggest[1]
+        if pp > 1 and n_microbatches > 1:
+            # a pipeline defers FSDP's reduce-scatter to the last microbatch's backward: every
+            # group's unsharded gradient is accumulated until then
+            fsdp = 2 * biggest[0] + sum(pieces.fsdp_grads.get(p, 0) * n for p, n in held.items())
         by_bytes: dict[tuple[int, int], list[int]] = {}
         for sub_rank, table in enumerate(pieces.rank_bytes):
             nbytes = sum(table.get(p, (0, 0))[0] * n for p, n in held.items())
@@ -506,7 +537,14 @@ def _roles(
         for (params, tensors), ranks in sorted(by_bytes.items(), key=lambda kv: kv[1][0]):
             optimizer = 2 * params + 4 * tensors  # AdamW's two moments and its step counts
             total = params * 2 + optimizer + per_mb * in_flight + recompute + output + fsdp
-            largest = sorted([*pieces.largest_params, *acts.largest], reverse=True)[:4]
+            largest = sorted(
+                (
+                    row
+                    for piece in held
+                    for row in (*pieces.largest_params.get(piece, ()), *acts.largest.get(piece, ()))
+                ),
+                reverse=True,
+            )[:4]
             roles.append(
                 RoleReport(
                     ranks=ranks,
@@ -520,6 +558,7 @@ def _roles(
                     microbatches_in_flight=in_flight,
                     fsdp_unsharded_bytes=fsdp,
                     output_bytes=output,
+                    forward_collective_bytes=dict(sent),
                 )
             )
     assert sorted(r for role in roles for r in role.ranks) == list(range(world))

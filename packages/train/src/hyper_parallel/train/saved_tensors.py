@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from hyper_parallel.dmodule.activation_checkpoint import is_checkpointed
-from hyper_parallel.dtensor import DTensor
+from hyper_parallel.dtensor import DTensor, collectives
 
 __all__ = [
     "ActivationCount",
@@ -75,6 +75,8 @@ class SavedTensors:
 
     label: str = ""
     seen: dict[int, _Saved] = field(default_factory=dict)
+    #: set while a checkpointed block's forward is replayed to measure its recompute
+    replaying: bool = False
 
     def add(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage (once) for the current label."""
@@ -137,6 +139,8 @@ class ActivationCount:
     #: bytes of the model's output on this rank (the logits)
     logits: int
     largest: list[tuple[int, str]]
+    #: per label: the bytes this rank's forward collectives sent in, by mesh axis
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -181,16 +185,29 @@ def count_activations(
             logits[0] = _nbytes_local(output)
 
     handles.append(model.register_forward_hook(head))
+    sent: dict[str, dict[str, int]] = {}
+
+    def record(entry: collectives.CollectiveRecord) -> None:
+        if counter.replaying:
+            return  # the measurement's own replay, not the run's
+        axes = sent.setdefault(counter.label, {})
+        axes[str(entry.mesh_axis)] = axes.get(str(entry.mesh_axis), 0) + entry.nbytes
+
     try:
         before = parameter_storages([model])
-        with counter.saving():
+        with counter.saving(), collectives.observe_collectives(record):
             run()
         exclude = before | parameter_storages([model])
     finally:
         for h in handles:
             h.remove()
     return ActivationCount(
-        counter.bytes_by_label(exclude), recompute, boundary[0], logits[0], counter.largest(exclude)
+        counter.bytes_by_label(exclude),
+        recompute,
+        boundary[0],
+        logits[0],
+        counter.largest(exclude, n=64),
+        sent,
     )
 
 
@@ -216,8 +233,12 @@ def _block_pre_hook(
             return
         replay = SavedTensors()
         kept = _PolicySaved(policy, counter) if policy is not None else nullcontext()
-        with torch.enable_grad(), replay.saving(), kept:
-            checkpointed._run(*args, **kwargs)  # the block's own forward, no checkpoint
+        counter.replaying = True
+        try:
+            with torch.enable_grad(), replay.saving(), kept:
+                checkpointed._run(*args, **kwargs)  # the block's own forward, no checkpoint
+        finally:
+            counter.replaying = False
         if kind not in recompute:
             recompute[kind] = sum(replay.bytes_by_label(parameter_storages([block])).values())
 
