@@ -30,7 +30,6 @@ from hyper_parallel.dmodule.checkpoint import (
     TrainingState,
     load,
     save,
-    save_hf,
     step_path,
 )
 from hyper_parallel.dmodule.layers import MoE, moe_aux_loss, update_load_balance
@@ -55,6 +54,7 @@ from hyper_parallel.train.checkpoints import (
 from hyper_parallel.train.checks import check_layout, parallel_dims, resolve_world
 from hyper_parallel.train.config import JobConfig, batch_layout
 from hyper_parallel.train.data import Batch, PackedSamples, Prefetcher
+from hyper_parallel.train.export import export_hf
 from hyper_parallel.train.job_data import check_resumed_data, load_job_data, make_sampler
 from hyper_parallel.train.lr import lr_at
 from hyper_parallel.train.metrics import MetricsLogger, RunSummary, StartupTimes, StepMetrics
@@ -369,13 +369,7 @@ class _Loop:
             self.pending.wait()
             _keep_last(job, plan.rank)
         if job.checkpoint.export_hf:
-            if self.pp_mesh is None:
-                save_hf(built.model, job.checkpoint.export_hf)
-            else:
-                whole = _gather_stages(
-                    built.model, built.parts, self.pp_mesh, plan.rank, plan.device
-                )
-                save_hf(whole, job.checkpoint.export_hf)
+            export_hf(built.model, built.parts, self.pp_mesh, plan.device, job.checkpoint.export_hf)
             self._note(f"exported Hugging Face weights to {job.checkpoint.export_hf}")
         if self.metrics is not None:
             self.metrics.finish(self.summary)
@@ -417,51 +411,6 @@ def load_samples(
     """The training samples and the validation samples (``validation.path`` or a held-out tail)."""
     data = load_job_data(job, tokenizer)
     return data.train, data.validation
-
-
-def _gather_stages(
-    whole: torch.nn.Module,
-    parts: list[torch.nn.Module],
-    pp_mesh: DeviceMesh,
-    rank: int,
-    device: torch.device,
-) -> torch.nn.Module:
-    """``whole`` (the model built on the meta device) holding every stage's states on rank 0.
-
-    Collective over every rank. State by state in ``whole``'s order, the stage that holds
-    it gathers it whole (``full_tensor`` over its own mesh) and its ``pp`` rank broadcasts
-    it over ``pp``; rank 0 alone allocates ``whole`` (on the CPU) and keeps the values.
-    The other ranks return ``whole`` still on the meta device: :func:`save_hf` reads
-    values on rank 0 only.
-    """
-    held: dict[str, torch.Tensor] = {}
-    for part in parts:
-        held.update(part.state_dict())
-    names = list(whole.state_dict())
-    me = pp_mesh.get_local_rank("pp")
-    owners = torch.tensor([me if n in held else -1 for n in names], device=device)
-    owners = collectives.all_reduce(owners, pp_mesh, "pp", "max")
-    if rank == 0:
-        whole.to_empty(device="cpu")
-    values = whole.state_dict()
-    for name, owner in zip(names, owners.tolist(), strict=True):
-        if owner < 0:
-            raise ValueError(
-                f"checkpoint.export_hf: expected a pipeline stage holding {name!r}, found none"
-            )
-        mine = held.get(name)
-        if isinstance(mine, DTensor):
-            mine = mine.full_tensor()  # every rank of the owning stage, in the same order
-        shape, dtype = values[name].shape, values[name].dtype
-        sent = (
-            mine.detach().contiguous()
-            if mine is not None
-            else torch.empty(shape, dtype=dtype, device=device)
-        )
-        got = collectives.broadcast(sent, pp_mesh, "pp", int(owner))
-        if rank == 0:
-            values[name].copy_(got)
-    return whole
 
 
 def validate(
