@@ -26,6 +26,9 @@ _B = torch.randn(6, generator=_G)
 _TARGET = torch.randn(8, 6, generator=_G)  # the loss weights every output differently
 _LOGITS = torch.randn(8, 12, generator=_G)
 _LABELS = torch.randint(0, 12, (8,), generator=_G)
+_CLASS_W = torch.rand(12, generator=_G) + 0.1
+_IMAGE = torch.randn(4, 5, 3, 2, generator=_G)
+_PIXELS = torch.randint(0, 5, (4, 3, 2), generator=_G)
 
 
 def _layer_norm(side: Side) -> dict[str, Any]:
@@ -73,6 +76,40 @@ def _nll_outside_loss_parallel(side: Side) -> dict[str, Any]:
             "grad_layout": layout(x.grad),
             "close": close(full(loss).detach(), want.detach()) and close(full(x.grad), leaf.grad),
         }
+    return out
+
+
+def _cross_entropy_of_batch_shards(side: Side) -> dict[str, Any]:
+    """torch's ``test_nll_loss_and_cross_entropy`` on batch shards, 2-D and ``(N, C, h, w)`` logits."""
+    out: dict[str, Any] = {}
+    cases: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = {
+        "rows": (_LOGITS, _LABELS, {}),
+        "rows weighted": (_LOGITS, _LABELS, {"weight": _CLASS_W, "ignore_index": 3}),
+        "2d": (_IMAGE, _PIXELS, {}),
+    }
+    for name, (logits, labels, kwargs) in cases.items():
+        for reduction in ("mean", "sum"):
+            x = side.distribute(logits.clone(), [side.Shard(0)]).requires_grad_()
+            target = side.distribute(labels.clone(), [side.Shard(0)])
+            ours = dict(kwargs)
+            if "weight" in ours:
+                ours["weight"] = side.distribute(_CLASS_W.clone(), [side.Replicate()])
+            with side.comm() as forward:
+                loss = F.cross_entropy(x, target, reduction=reduction, **ours)
+            with side.comm() as backward:
+                torch.autograd.backward(loss * 1.5)
+            leaf = logits.clone().requires_grad_()
+            want = F.cross_entropy(leaf, labels, reduction=reduction, **kwargs)
+            torch.autograd.backward(want * 1.5)
+            assert x.grad is not None and leaf.grad is not None
+            out[f"{name} {reduction}"] = {
+                "layout": layout(loss),
+                "forward": forward,
+                "backward": backward,
+                "grad_layout": layout(x.grad),
+                "close": close(full(loss).detach(), want.detach())
+                and close(full(x.grad), leaf.grad),
+            }
     return out
 
 
@@ -201,6 +238,7 @@ def _both() -> dict[str, Any]:
         out[side.name] = {
             "layer_norm": _layer_norm(side),
             "nll": _nll_outside_loss_parallel(side),
+            "cross_entropy": _cross_entropy_of_batch_shards(side),
             "batch_norm": _batch_norm(side),
         }
     for side in sides((2, 2), ("dp", "tp")):
@@ -237,6 +275,23 @@ def test_norms_losses_and_foreach_like_torch() -> None:
             assert mine["forward"] == {"all_reduce": 2}, (reduction, mine)
             assert mine["backward"] == {"all_reduce": 1}, (reduction, mine)
             assert mine["grad_layout"] == (("S", 1),), (reduction, mine)
+
+        # cross-entropy of batch shards (README): a sum is Partial, as torch, with no
+        # collective; a mean divides by the global total weight (one all-reduce of a
+        # scalar, Partial loss) where torch all-gathers logits and targets (Replicate
+        # loss). Neither backward communicates: the forward returned that total Replicate.
+        for case, mine in ours["cross_entropy"].items():
+            torch_ce = theirs["cross_entropy"][case]
+            assert mine["close"] and torch_ce["close"], (case, mine, torch_ce)
+            assert mine["backward"] == torch_ce["backward"] == {}, (case, mine, torch_ce)
+            assert mine["grad_layout"] == torch_ce["grad_layout"] == (("S", 0),), case
+            assert mine["layout"] == (("P", "sum"),), (case, mine)
+            if case.endswith("sum"):
+                assert mine["forward"] == torch_ce["forward"] == {}, (case, mine, torch_ce)
+                assert torch_ce["layout"] == mine["layout"], (case, torch_ce)
+            else:
+                assert mine["forward"] == {"all_reduce": 1}, (case, mine)
+                assert torch_ce["forward"] == {"all_gather": 2}, (case, torch_ce)
 
         # batch norm: a channel shard is local, as torch. A batch or spatial shard stays
         # sharded (README): eval is local; train all-reduces the per-channel sums in the

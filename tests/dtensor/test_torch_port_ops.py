@@ -32,6 +32,8 @@ _POS = torch.rand(8, 6, generator=_G) + 0.1
 _IDX = torch.tensor([[0, 3, 5], [1, 1, 2], [5, 4, 0], [2, 4, 4]])
 _EMB = torch.randn(10, 8, generator=_G)
 _MASK = torch.rand(8, 6, generator=_G) > 0.5
+_U1 = torch.randn(1, 2, 2, 2, generator=_G)
+_U5 = torch.randn(5, 2, 2, 2, generator=_G)
 
 
 def _math() -> list[Case]:
@@ -173,6 +175,11 @@ def _views() -> list[Case]:
             "view split on a replicated dim", lambda t: torch.split(t, [2, 4], 1)[0], (_M,), ("S0",)
         ),
         Case("view of a partial", lambda t: t.view(48), (_M,), ("P",)),
+        # test_dtensor_view_op_uneven: a size-1 sharded dim (only the first rank holds
+        # it) and 5 rows over 4 ranks (full, smaller and empty shards) stay sharded
+        Case("view uneven (1,2,2,2) of S0", lambda t: t.view(1, 2, 4), (_U1,), ("S0",), True),
+        Case("view uneven (5,2,2,2) of S0", lambda t: t.view(5, 2, 4), (_U5,), ("S0",), True),
+        Case("view uneven (1,2,2,2)->(1,8) of S0", lambda t: t.view(1, 8), (_U1,), ("S0",)),
     ]
 
 

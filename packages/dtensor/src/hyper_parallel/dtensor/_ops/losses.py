@@ -4,7 +4,8 @@
 ``input`` of shape ``(N, C)`` or ``(C,)``. Per mesh axis the input may be:
 
 * sharded over the batch (target sharded alike): each rank sums its rows; a mean
-  divides by the *global* total weight (one all-reduce of a scalar);
+  divides by the *global* total weight (one all-reduce of a scalar in the forward,
+  which returns that total Replicate, so the backward reads it with no collective);
 * sharded over the classes (loss parallel; target replicated): each rank picks
   only the targets that fall in its class range, so the loss is ``Partial`` and
   the logits are never gathered. The backward writes the gradient of each picked
@@ -70,7 +71,8 @@ def _nll_forward_rule(call: OpCall) -> Decision | None:
         cands: list[Candidate] = []
         if batched:
             loss: Placement = Shard(0) if reduction == _NONE else _P
-            total: Placement = _R if reduction == _NONE else _P
+            # a mean's kernel all-reduces the total weight: it returns the global one
+            total: Placement = _P if reduction == _SUM else _R
             cands.append(((Shard(0), Shard(0)) + (_R,) * n_extra, (loss, total)))
         cands.append(((Shard(class_dim), _R) + (_R,) * n_extra, (_P, _R)))
         cands.append(((_R,) * len(call.specs), (_R, _R)))
@@ -133,8 +135,9 @@ def _nll_forward(
         total = w.sum()
         loss = losses.sum()
         if reduction == _MEAN:
-            global_total = all_reduce_over(total, mesh, axes, "sum")
-            loss = loss / global_total
+            # the global total is the Replicate total weight: the backward reads it as is
+            total = all_reduce_over(total, mesh, axes, "sum")
+            loss = loss / total
         return loss, total
 
     return nll
@@ -214,7 +217,7 @@ def _nll2d_forward_rule(call: OpCall) -> Decision:
 
     def candidates(axis: int) -> list[Candidate]:
         loss: Placement = Shard(0) if reduction == _NONE else _P
-        total: Placement = _R if reduction == _NONE else _P
+        total: Placement = _P if reduction == _SUM else _R  # a mean returns the global total
         return [
             ((Shard(0), Shard(0)) + (_R,) * n_extra, (loss, total)),
             ((_R,) * len(call.specs), (_R, _R)),
@@ -237,7 +240,8 @@ def _nll2d_mean(mesh: DeviceMesh, axes: tuple[int, ...]) -> Any:
         ignore_index: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss, total = aten.nll_loss2d_forward.default(x, target, weight, _SUM, ignore_index)
-        return loss / all_reduce_over(total, mesh, axes, "sum"), total
+        total = all_reduce_over(total, mesh, axes, "sum")
+        return loss / total, total
 
     return nll2d
 
@@ -246,12 +250,19 @@ def _nll2d_backward_rule(call: OpCall) -> Decision:
     # specs: grad_output, self, target, [weight], total_weight (the global total: Replicate)
     reduction = _arg(call, 4, "reduction", _MEAN)
     n_extra = len(call.specs) - 3
+    # only a mean reads the total weight (as in nll_loss_backward's rule)
+    total_unread = reduction != _MEAN and isinstance(
+        _arg(call, 6, "total_weight", None), DTensorSpec
+    )
 
     def candidates(axis: int) -> list[Candidate]:
         grad_layout: Placement = Shard(0) if reduction == _NONE else _R
+        extra: tuple[Placement, ...] = (_R,) * n_extra
+        if total_unread:
+            extra = (*extra[:-1], call.specs[-1].placements[axis])
         return [
-            ((grad_layout, Shard(0), Shard(0)) + (_R,) * n_extra, (Shard(0),)),
-            ((_R,) * len(call.specs), (_R,)),
+            ((grad_layout, Shard(0), Shard(0), *extra), (Shard(0),)),
+            ((_R,) * (len(call.specs) - n_extra) + extra, (_R,)),
         ]
 
     return choose(call, candidates)

@@ -54,19 +54,31 @@ def _map_dims(call: OpCall, dim_map: Sequence[int | None], out_count: int = 1) -
 
 
 def view_groups(
-    in_shape: Sequence[int], out_shape: Sequence[int]
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+    singletons: list[tuple[int, int]] | None = None,
 ) -> list[tuple[list[int], list[int]]] | None:
-    """Pair runs of input dims with runs of output dims of equal product (size-1 dims skipped)."""
+    """Pair runs of input dims with runs of output dims of equal product (size-1 dims skipped).
+
+    ``singletons``, when given, receives the ``(input dim, output dim)`` pairs of size-1
+    dims met at the same point of both shapes (``(1, 2, 2, 2) -> (1, 2, 4)``: ``(0, 0)``).
+    """
     if 0 in in_shape or 0 in out_shape:
         return None
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
     n_in, n_out = len(in_shape), len(out_shape)
     while True:
-        while i < n_in and in_shape[i] == 1:
-            i += 1
-        while j < n_out and out_shape[j] == 1:
-            j += 1
+        while (i < n_in and in_shape[i] == 1) or (j < n_out and out_shape[j] == 1):
+            if i < n_in and in_shape[i] == 1 and j < n_out and out_shape[j] == 1:
+                if singletons is not None:
+                    singletons.append((i, j))
+                i += 1
+                j += 1
+            elif i < n_in and in_shape[i] == 1:
+                i += 1
+            else:
+                j += 1
         if i == n_in and j == n_out:
             return groups
         if i == n_in or j == n_out:
@@ -95,9 +107,14 @@ def _view_dim_map(spec: DTensorSpec, out_shape: tuple[int, ...]) -> list[int | N
     """Where each input dim's shard lands in a view to ``out_shape`` (None: it cannot)."""
     in_shape = spec.shape
     dim_map: list[int | None] = [None] * len(in_shape)
-    groups = view_groups(in_shape, out_shape)
+    singletons: list[tuple[int, int]] = []
+    groups = view_groups(in_shape, out_shape, singletons)
     if groups is None:
         return dim_map
+    # a shard of a size-1 dim (the first coordinate holds it, the others are empty) is
+    # the same shard of the size-1 output dim it meets: no data moves, as torch
+    for d, o in singletons:
+        dim_map[d] = o
     mesh_shape = spec.mesh.shape
     for in_g, out_g in groups:
         d, o = in_g[0], out_g[0]
