@@ -35,7 +35,6 @@ _MOE = [
 #: name -> overrides; every layout on 2 ranks
 CASES: dict[str, list[str]] = {
     "tp": [*_LLAMA, "parallelism.tp=2"],
-    "tp_full_ac": [*_LLAMA, "parallelism.tp=2", "parallelism.activation_checkpoint=full"],
     "fsdp": [*_LLAMA, "parallelism.dp_shard=2"],
     "fsdp_full_ac": [*_LLAMA, "parallelism.dp_shard=2", "parallelism.activation_checkpoint=full"],
     "cp": [*_LLAMA, "parallelism.cp=2"],
