@@ -3,7 +3,9 @@
 Run: uv run python bench/bench_plan.py [--cases 8B-8 70B-64] [--json out/bench_plan.json]
 
 Each case plans in a fresh process (``hp-train --plan --json``, imports included, as a
-user runs it) and prints the wall seconds, the layouts measured and the best layout.
+user runs it) and prints the wall seconds, the layouts measured and the best layout; before
+it, the seconds a fresh process takes to import the planner and the dry run (the share of
+the wall time that is not planning: on a loaded machine it is most of it).
 The shapes are Llama 3.1's published ``config.json`` fields given as ``[model.config]``
 overrides of llama-ref (the flavors ``8B`` / ``70B`` say the same where they exist).
 """
@@ -47,7 +49,15 @@ def main() -> None:
     parser.add_argument("--json", default="", help="write the figures here too")
     args = parser.parse_args()
     figures = []
+    imports = [
+        sys.executable,
+        "-c",
+        "import hyper_parallel.train.plan_report, hyper_parallel.train.dry_run",
+    ]
     for case in args.cases:
+        start = time.perf_counter()
+        subprocess.run(imports, check=True)
+        import_seconds = time.perf_counter() - start
         shape, world, batch = CASES[case]
         cmd = [sys.executable, "-m", "hyper_parallel.train", *_argv(shape, world, batch)]
         start = time.perf_counter()
@@ -61,6 +71,7 @@ def main() -> None:
         row = {
             "case": case,
             "seconds": round(seconds, 1),
+            "import_seconds": round(import_seconds, 1),
             "considered": report["layouts_considered"],
             "measured": report["layouts_measured"],
             "best": degrees,
@@ -72,7 +83,7 @@ def main() -> None:
         }
         figures.append(row)
         print(
-            f"{case}: {seconds:.1f} s, {row['measured']} of {row['considered']} layouts measured; "
+            f"{case}: {seconds:.1f} s (imports alone: {import_seconds:.1f} s), {row['measured']} of {row['considered']} layouts measured; "
             f"best {degrees} AC {row['activation_checkpoint']} ({row['best_gib']} GiB, "
             f"step {row['estimated_step_seconds']} s, MFU {row['mfu']:.0%})",
             flush=True,
