@@ -28,15 +28,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
-
-from hyper_parallel.train.data import pack
-from hyper_parallel.train.documents import read_documents
-from hyper_parallel.train.prepare import PrepareOptions, prepare
-from hyper_parallel.train.tokenizer import ByteTokenizer
 
 _WORDS = "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they you were her she there one all we their been has when who will more no if out so said what up its about into than them can only other new some could time these two may then do first any my now such like our over man me even most made"
 
@@ -64,22 +58,39 @@ def _corpus_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.glob("*.txt"))
 
 
-def _in_memory(root: Path) -> float:
+_TIMED = textwrap.dedent(
+    """
+    import sys, time
+    from hyper_parallel.train.data import pack
+    from hyper_parallel.train.documents import read_documents
+    from hyper_parallel.train.prepare import PrepareOptions, prepare
+    from hyper_parallel.train.tokenizer import ByteTokenizer
+    side, corpus, out, workers = sys.argv[1:5]
     start = time.perf_counter()
-    samples = pack(read_documents(str(root)), ByteTokenizer(), seq_len=64)
-    assert len(samples) > 0
-    return time.perf_counter() - start
+    if side == "in-memory":
+        samples = pack(read_documents(corpus), ByteTokenizer(), seq_len=64)
+        assert len(samples) > 0
+    else:
+        prepare(PrepareOptions(corpus, out, workers=int(workers), overwrite=True))
+    print(time.perf_counter() - start)
+    """
+)
 
 
-def _prepare(root: Path, out: Path, workers: int) -> float:
-    start = time.perf_counter()
-    prepare(PrepareOptions(str(root), str(out), workers=workers, overwrite=True))
-    return time.perf_counter() - start
+def _timed(side: str, corpus: Path, out: Path, workers: int) -> float:
+    """Seconds of one side's work in a fresh process (imports not counted)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TIMED, side, str(corpus), str(out), str(workers)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.splitlines()[-1])
 
 
 _STARTUP = textwrap.dedent(
     """
-    import json, resource, sys, time
+    import json, sys, time
     start = time.perf_counter()
     from hyper_parallel.train.config import load_job
     from hyper_parallel.train.data import Prefetcher
@@ -92,8 +103,9 @@ _STARTUP = textwrap.dedent(
     for _ in range(3):
         loader.next_step()
     loader.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": time.perf_counter() - start, "peak_mb": peak / 1e6}))
+    # VmHWM: this process's peak RSS (ru_maxrss would carry the parent's across exec)
+    status = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_mb": int(status) / 1e3}))
     """
 )
 
@@ -124,8 +136,8 @@ def main() -> None:
     )
     memory, prepared = [], []
     for round_ in range(args.rounds):
-        memory.append(_in_memory(corpus))
-        prepared.append(_prepare(corpus, out, args.workers))
+        memory.append(_timed("in-memory", corpus, out, args.workers))
+        prepared.append(_timed("prepare", corpus, out, args.workers))
         print(f"  round {round_}: in-memory {memory[-1]:.1f} s, prepare {prepared[-1]:.1f} s")
     fast_memory, fast_prepare = min(memory), min(prepared)
     print(
@@ -134,7 +146,7 @@ def main() -> None:
         f"{fast_memory / fast_prepare:.1f}x (goal >= 4)"
     )
     small_out = root / "prepared-2"
-    _prepare(small, small_out, args.workers)
+    _timed("prepare", small, small_out, args.workers)
     small_startup, large_startup = _startup(small_out), _startup(out)
     raw_startup = _startup(corpus)
     print(

@@ -183,3 +183,23 @@ def test_undecodable_text_is_counted_and_a_mostly_undecodable_file_refused(tmp_p
     assert replaced.decode.total == 1 + round(share * len(latin)) and replaced.decode.files == 2
     as_latin = list(read_documents(str(corpus / "b.txt"), encoding="latin-1"))
     assert as_latin == [latin]
+
+
+def test_a_saved_dataset_prepares_to_its_rows_in_order(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {i}: " + "ü" * (i % 5) for i in range(40)]
+    datasets.Dataset.from_dict({"id": list(range(40)), "body": texts}).save_to_disk(
+        str(tmp_path / "ds")
+    )
+    out = tmp_path / "out"
+    options = PrepareOptions(
+        str(tmp_path / "ds"), str(out), field="body", workers=1, part_bytes=200
+    )
+    prepare(options)
+    stream = [t for text in texts for t in [*text.encode("utf-8"), BYTE_EOS]]
+    found, starts, _ = _read_prepared(out)
+    assert found == stream and len(starts) == 40 and len(read_index(out).shards) > 1
+    with pytest.raises(
+        ValueError, match=r"expected a column 'text' \(data.field\), found \['id', 'body'\]"
+    ):
+        prepare(PrepareOptions(str(tmp_path / "ds"), str(tmp_path / "o2"), workers=1))

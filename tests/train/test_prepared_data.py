@@ -132,7 +132,7 @@ def test_a_mixture_draws_each_source_by_its_weight_and_resumes_from_its_position
 
 _STARTUP = textwrap.dedent(
     """
-    import json, resource, sys, time
+    import json, sys, time
     start = time.perf_counter()
     from hyper_parallel.train.config import load_job
     from hyper_parallel.train.job_data import load_job_data, make_sampler
@@ -145,7 +145,8 @@ _STARTUP = textwrap.dedent(
     for _ in range(3):
         loader.next_step()
     loader.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process's peak RSS (ru_maxrss would carry the parent's across exec)
+    peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
     print(json.dumps({"seconds": time.perf_counter() - start, "peak": peak}))
     """
 )
@@ -283,7 +284,12 @@ def test_the_preflight_reads_nothing_of_prepared_data_but_its_index(
 ) -> None:
     out = _prepared(write_corpus(tmp_path / "a"), tmp_path / "out")
     mapped: list[object] = []
-    monkeypatch.setattr("numpy.memmap", lambda *args, **kwargs: mapped.append(args) or np.zeros(1))
+
+    def fake_memmap(*args: object, **kwargs: object) -> np.ndarray:  # type: ignore[type-arg]
+        mapped.append(args)
+        return np.zeros(1)
+
+    monkeypatch.setattr("numpy.memmap", fake_memmap)
     assert preflight(tiny_job(out, "parallelism.dp_shard=2"), resume=False) == 2
     assert mapped == []
     load_job_data(tiny_job(out), ByteTokenizer())  # the oracle: a job maps them

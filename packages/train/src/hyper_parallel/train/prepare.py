@@ -134,9 +134,9 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
     identity = tokenizer_identity(options.tokenizer_path)
     vocab_size, eos_id = _vocabulary(options.tokenizer_path)
     dtype = token_dtype(vocab_size)
-    parts, hf = _plan(options)
-    total = sum(part.nbytes for part in parts)
     workers = options.workers or os.cpu_count() or 1
+    parts, hf = _plan(options, workers)
+    total = sum(part.nbytes for part in parts)
     scratch = out.parent / f".{out.name}.prepare-{os.getpid()}"
     if scratch.exists():
         shutil.rmtree(scratch)
@@ -233,15 +233,20 @@ def _vocabulary(tokenizer_path: str) -> tuple[int, int]:
     return tokenizer.vocab_size, tokenizer.eos_id
 
 
-def _plan(options: PrepareOptions) -> tuple[list[_Part], bool]:
-    """The parts of the input in document order, and whether it is a ``datasets`` directory."""
+def _plan(options: PrepareOptions, workers: int) -> tuple[list[_Part], bool]:
+    """The parts of the input in document order, and whether it is a ``datasets`` directory.
+
+    Parts are at most ``options.part_bytes``, and small enough that every worker gets
+    about four (the last parts of a worker do not leave the others idle for long).
+    """
     key = "prepare INPUT"
     if options.format == "hf" or (options.format == "auto" and is_hf_dataset(Path(options.input))):
         table = load_dataset(options.input, options.field, key)
         rows = len(table)
         size = max(int(getattr(table.data, "nbytes", 0)), 1)
         per_row = size / max(rows, 1)
-        step = max(1, int(options.part_bytes / max(per_row, 1)))
+        target = min(options.part_bytes, max(size // (workers * 4), 1 << 20))
+        step = max(1, int(target / max(per_row, 1)))
         by_rows = [
             _Part(
                 n,
@@ -251,18 +256,19 @@ def _plan(options: PrepareOptions) -> tuple[list[_Part], bool]:
             for n, a in enumerate(range(0, rows, step))
         ]
         return by_rows, True
+    files = [(file, file.stat().st_size) for file in find_files(options.input, key=key)]
+    target = min(options.part_bytes, max(sum(s for _, s in files) // (workers * 4), 1 << 20))
     pieces: list[tuple[_Piece, int]] = []
-    for file in find_files(options.input, key=key):
-        size = file.stat().st_size
-        if reads_as_jsonl(file, options.format) and size > options.part_bytes:
-            pieces += _jsonl_pieces(file, size, options.part_bytes)
+    for file, size in files:
+        if reads_as_jsonl(file, options.format) and size > target:
+            pieces += _jsonl_pieces(file, size, target)
         else:
             pieces.append((_Piece(str(file)), size))
     parts: list[_Part] = []
     current: list[_Piece] = []
     nbytes = 0
     for piece, size in pieces:
-        if current and nbytes + size > options.part_bytes:
+        if current and nbytes + size > target:
             parts.append(_Part(len(parts), tuple(current), nbytes))
             current, nbytes = [], 0
         current.append(piece)
@@ -357,25 +363,24 @@ def _tokenize(
     documents: list[str], tokenizer_path: str, dtype: str, eos_id: int
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
     """The documents' ids, each followed by EOS, as one ``dtype`` array; each one's length."""
+    pieces: list[Any]
     if not tokenizer_path:
-        encoded = [text.encode("utf-8") for text in documents]
-        flat = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        sizes = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
+        pieces = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in documents]
     else:
         from tokenizers import Tokenizer
 
         file = Path(tokenizer_path)
         tokenizer = Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
-        ids = [e.ids for e in tokenizer.encode_batch(documents, add_special_tokens=False)]
-        sizes = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter((t for i in ids for t in i), dtype=np.int64, count=int(sizes.sum()))
-    lengths = sizes + 1
+        encoded = tokenizer.encode_batch(documents, add_special_tokens=False)
+        pieces = [e.ids for e in encoded]
+    lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
     out = np.empty(int(lengths.sum()), dtype=dtype)
-    ends = np.cumsum(lengths) - 1
-    keep = np.ones(len(out), dtype=bool)
-    keep[ends] = False
-    out[keep] = flat
-    out[ends] = eos_id
+    position = 0
+    for piece in pieces:  # a copy per document: cheaper than masks over the whole part
+        stop = position + len(piece)
+        out[position:stop] = piece
+        out[stop] = eos_id
+        position = stop + 1
     return out, lengths
 
 

@@ -405,11 +405,12 @@ class _Stop:
                 signal.signal(s, h)
 
 
-def load_samples(
-    job: JobConfig, tokenizer: Tokenizer
-) -> tuple[PackedSamples | Mixture, PackedSamples | Mixture]:
-    """The training samples and the validation samples (``validation.path`` or a held-out tail)."""
+def load_samples(job: JobConfig, tokenizer: Tokenizer) -> tuple[PackedSamples, PackedSamples]:
+    """The training samples and the validation samples (``validation.path`` or a held-out tail)
+    of a job on one source (``load_job_data`` reads ``data.mix`` too)."""
     data = load_job_data(job, tokenizer)
+    if not isinstance(data.train, PackedSamples) or not isinstance(data.validation, PackedSamples):
+        raise ConfigError("load_samples reads one source: use load_job_data", path="data.mix")
     return data.train, data.validation
 
 
