@@ -103,7 +103,8 @@ def measure(dim: int, layers: int, seq: int, rounds: int) -> dict[str, Any]:
             torch.manual_seed(0)
             model = _config(dim, layers, seq, algorithm).build()
             model.init_weights()
-            models[(algorithm, cp)] = model.parallelize(mesh) if cp > 1 else model
+            # the dp ranks only repeat the measurement: the model is parallelized over cp alone
+            models[(algorithm, cp)] = model.parallelize(mesh["cp"]) if cp > 1 else model
     out: dict[str, Any] = {}
     for key, model in models.items():
         records: list[CollectiveRecord] = []
