@@ -39,6 +39,7 @@ from hyper_parallel.platform_torch.launch import run_distributed
 IMPLEMENTATIONS: dict[str, str] = {
     "megatron": "bench.baselines.megatron:build_megatron_step",
     "torch_tp": "bench.baselines.torch_tp:build_torch_tp_step",
+    "spmd_types": "bench.baselines.spmd_types_tp:build_spmd_types_step",
     "ours_dtensor": "bench.ours.llama_ref:build_dtensor_step",
     "ours_local_map": "bench.ours.llama_ref:build_local_map_step",
     "ours_user_model": "bench.ours.user_model:build_user_model_step",

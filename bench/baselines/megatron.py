@@ -13,6 +13,7 @@ already identical across ranks and need no reduction.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,19 +68,27 @@ class MegatronStep:
         h = F.embedding(tokens, p["tok_embeddings.weight"])
         for i in range(cfg.n_layers):
             pre = f"layers.{i}."
-            x = copy_to_parallel(rms_norm(h, p[pre + "attention_norm.weight"], cfg.norm_eps), group)
+            x = self.copy_in(rms_norm(h, p[pre + "attention_norm.weight"], cfg.norm_eps), group)
             q = F.linear(x, p[pre + "attention.wq.weight"]).view(batch, seq, -1, cfg.head_dim)
             k = F.linear(x, p[pre + "attention.wk.weight"]).view(batch, seq, -1, cfg.head_dim)
             v = F.linear(x, p[pre + "attention.wv.weight"]).view(batch, seq, -1, cfg.head_dim)
             attn = F.linear(causal_attention(q, k, v), p[pre + "attention.wo.weight"])
-            h = h + reduce_from_parallel(attn, group)
-            x = copy_to_parallel(rms_norm(h, p[pre + "ffn_norm.weight"], cfg.norm_eps), group)
+            h = h + self.reduce_out(attn, group)
+            x = self.copy_in(rms_norm(h, p[pre + "ffn_norm.weight"], cfg.norm_eps), group)
             gate = F.silu(F.linear(x, p[pre + "feed_forward.w1.weight"]))
             up = F.linear(x, p[pre + "feed_forward.w3.weight"])
             mlp = F.linear(gate * up, p[pre + "feed_forward.w2.weight"])
-            h = h + reduce_from_parallel(mlp, group)
+            h = h + self.reduce_out(mlp, group)
         logits = F.linear(rms_norm(h, p["norm.weight"], cfg.norm_eps), p["output.weight"])
         return cross_entropy_loss(logits, targets)
+
+    def copy_in(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        """Megatron's ``f``: identity forward, all-reduce backward (entering a TP region)."""
+        return copy_to_parallel(x, group)
+
+    def reduce_out(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        """Megatron's ``g``: all-reduce forward, identity backward (leaving a TP region)."""
+        return reduce_from_parallel(x, group)
 
     def zero_grad(self) -> None:
         """Drop every gradient."""
