@@ -123,6 +123,34 @@ def test_hp_dmodule_has_no_module_getattr() -> None:
     assert not found, f"module-level __getattr__ (a lazy attribute hides an import): {found}"
 
 
+def _annotation_edges(path: str) -> set[str]:
+    """The hp-dmodule files ``path`` imports at module level, ``TYPE_CHECKING`` blocks included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse((_PACKAGE / path).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if _module_file(sub) is not None else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {t for name in found if (t := _module_file(name)) is not None and t != path}
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_each_reference_model_its_plan_and_its_hf_adapter_import_one_way(model: str) -> None:
+    """The model imports its plan (its parts' layouts) and its HF adapter; the adapter imports
+    no model file even for annotations, and the plan names the model for annotations only."""
+    graph = _graph()
+    model_file, plan, hf = (
+        f"models/{model}.py",
+        f"models/{model}_sharding.py",
+        f"models/{model}_hf.py",
+    )
+    assert {plan, hf} <= {target for _, target in graph[model_file]}
+    assert model_file not in _annotation_edges(hf), f"{hf} imports {model_file}"
+    assert model_file not in {target for _, target in graph[plan]}, f"{plan} imports the model"
+
+
 def test_a_circle_is_named_with_its_files_and_lines() -> None:
     graph = {"a.py": [(3, "b.py")], "b.py": [(7, "a.py")], "c.py": [(1, "a.py")]}
     assert _cycles(graph) == ["a.py:3 -> b.py:7 -> a.py"]
@@ -136,6 +164,8 @@ def test_a_circle_is_named_with_its_files_and_lines() -> None:
         "from hyper_parallel.dmodule.module import ModuleList",
         "from hyper_parallel.dmodule.models.llama import Llama",
         "from hyper_parallel.dmodule.models.llama_sharding import parallelize_llama",
+        "from hyper_parallel.dmodule.models.qwen3_hf import qwen3_config_to_hf",
+        "from hyper_parallel.dmodule.models.llama_hf import llama_config_to_hf",
     ],
 )
 def test_each_container_path_gives_the_same_class_in_a_fresh_interpreter(first: str) -> None:

@@ -9,6 +9,9 @@ One 4-rank launch runs every layout (with ``test_qwen3.py``'s ``ep=2 x efsdp=2``
   gradients, parameters and expert biases to scale.
 - ``ParallelDims(dp_shard=2, tp=2, ep=2)``: ``ep`` borrows ``tp``'s ranks (``etp = 1``),
   each tp rank routing half of its group's tokens; against transformers as below.
+- Tied embeddings under ``ParallelDims(dp_shard=2, tp=2)`` (one FSDP unit holds the shared
+  weight): a dense Qwen3 loaded from, trained like and saved as transformers' tied model;
+  llama-ref's ``parallelize_llama`` against one process.
 - ``ParallelDims(dp_shard=2, tp=2, ep=2, etp=2)``, with and without sequence parallelism:
   ``parallelize_qwen3`` turns on the experts' ``etp`` layout; loaded from a transformers
   checkpoint, trained and saved, then compared with transformers' ``Qwen3MoeForCausalLM``
@@ -27,6 +30,7 @@ from tests._tolerance import assert_close_to_scale
 from tests.dmodule.test_qwen3 import (  # skips this module too without transformers
     Oracle,
     _check_run,
+    _dense_hf_config,
     _hf_model,
     _moe_hf_config,
     _train_parallel,
@@ -37,6 +41,7 @@ from tests.dmodule.test_qwen3 import (  # skips this module too without transfor
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.dmodule.layers import update_load_balance
 from hyper_parallel.dmodule.model_spec import get_spec
+from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama
 from hyper_parallel.dmodule.models.qwen3 import Qwen3, pipeline_qwen3
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dtensor import DTensor
@@ -112,9 +117,66 @@ def _pipeline_pp2_ep2() -> Record:
     return record
 
 
+def _tied_hf_config() -> Any:
+    config = _dense_hf_config()
+    config.tie_word_embeddings = True
+    return config
+
+
+TIED_LLAMA = Llama.Config(
+    vocab_size=32, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24, max_seq_len=8
+).replace(tie_word_embeddings=True)
+
+
+def _llama_tied_fsdp_tp() -> Record:
+    """parallelize_llama(dp_shard=2 x tp=2) of a tied llama-ref: its largest differences from
+    one process (after the same seed) in init, loss, gradients and AdamW steps."""
+    dims = ParallelDims(dp_shard=2, tp=2)
+    torch.manual_seed(SEED)
+    reference = TIED_LLAMA.build()
+    reference.init_weights()
+    with torch.device("meta"):
+        model = TIED_LLAMA.build()
+    parallelize_llama(model, dims)
+    model.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    model.init_weights()
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    record: Record = {
+        "names": sorted(ours),
+        "tied": model.output.weight is model.tok_embeddings.weight,
+        "init": max(float((_full(ours[n]) - theirs[n].detach()).abs().max()) for n in theirs),
+        "loss": [],
+        "grads": [],
+        "params": [],
+    }
+    rows = BATCH // dims.dp
+    begin = dims.batch_mesh.get_local_rank() * rows
+    opt = torch.optim.AdamW(list(ours.values()), lr=LR, foreach=False)
+    opt_ref = torch.optim.AdamW(list(theirs.values()), lr=LR, foreach=False)
+    for step in range(STEPS):
+        tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=32)
+        loss = model.loss(tokens[begin : begin + rows], targets[begin : begin + rows])
+        loss.backward()
+        reference.loss(tokens, targets).backward()
+        record["grads"].append(
+            max(float((_full(ours[n].grad) - theirs[n].grad).abs().max()) for n in theirs)
+        )
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        record["params"].append(
+            max(float((_full(ours[n]) - theirs[n].detach()).abs().max()) for n in theirs)
+        )
+    return record
+
+
 def _layouts(hf_dir: str, out_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {
+        "tied": _train_parallel(f"{out_dir}/hf-tied", f"{out_dir}/tied", {"dp_shard": 2, "tp": 2}),
+        "llama_tied": _llama_tied_fsdp_tp(),
         "pp2_ep2": _pipeline_pp2_ep2(),
         "efsdp2": _train_parallel(hf_dir, f"{out_dir}/efsdp2", EFSDP_DEGREES),
         "etp2": _train_parallel(hf_dir, f"{out_dir}/etp2", ETP_DEGREES),
@@ -132,6 +194,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     tmp_path = tmp_path_factory.mktemp("qwen3_layouts")
     hf = _hf_model(_moe_hf_config())
     hf.save_pretrained(tmp_path / "hf")
+    _hf_model(_tied_hf_config()).save_pretrained(tmp_path / "hf-tied")
     results = run_on_ranks(_layouts, 4, str(tmp_path / "hf"), str(tmp_path), timeout_s=400)
     return tmp_path, _transformers_oracle(tmp_path, hf), results
 
@@ -219,6 +282,28 @@ def test_ep2_borrowing_tp2_routes_each_token_once_and_trains_like_transformers(
     for result in results:  # ep=2 x efsdp=dp_shard*tp/ep=2: 1 of the 4 experts, whole
         assert result["local_shapes"]["layers.1.feed_forward.experts.w1"] == (1, 12, 16)
     _check_run(tmp_path / "ep_tp", results, oracle)
+
+
+def test_tied_embeddings_under_fsdp_and_tp_train_and_save_like_transformers(
+    launch: Launch,
+) -> None:
+    tmp_path, _, ranks = launch
+    hf = _hf_model(_tied_hf_config())  # the weights the launch loaded (same seed)
+    oracle = _transformers_oracle(tmp_path / "tied-oracle", hf)
+    results = [rank["tied"] for rank in ranks]
+    for result in results:  # one shared weight: its gradient once, under the embedding's key
+        assert "lm_head.weight" not in result["grads"]
+        assert "model.embed_tokens.weight" in result["grads"]
+    _check_run(tmp_path / "tied", results, oracle)
+
+
+def test_tied_llama_under_fsdp_and_tp_trains_as_one_process(launch: Launch) -> None:
+    for rank in launch[2]:
+        found = rank["llama_tied"]
+        assert found["tied"] and "output.weight" not in found["names"]
+        assert found["init"] == 0.0
+        assert max(found["grads"]) < 1e-5, found["grads"]
+        assert max(found["params"]) < 1e-4, found["params"]
 
 
 def test_qwen3_pipelining_fn_refuses_unknown_options_naming_itself() -> None:

@@ -215,7 +215,7 @@ def test_llama_spec_has_a_model_and_a_parallelize_fn() -> None:
 
     spec = get_spec("llama-ref")
     assert spec.model is not None and callable(spec.parallelize_fn)
-    assert set(spec.flavors) == {"debug", "small"}
+    assert set(spec.flavors) == {"debug", "small", "1B", "3B", "8B", "70B", "405B"}
 
 
 # ----------------------------------------------------------------------------- item 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from hyper_parallel.dmodule.pipeline.split import PipelineSplit
 
 __all__ = [
+    "BUILTIN_MODELS",
     "ModelRegistry",
     "ModelSpec",
     "StateDictAdapter",
@@ -163,8 +165,21 @@ class ModelSpec:
         return found.replace()
 
 
+#: The built-in models: name -> the module that registers it when imported. The default
+#: registry imports it the first time the name is asked for, so ``get_spec("llama-ref")``
+#: needs no import of the model first (and hp-dmodule's root imports no model).
+BUILTIN_MODELS: Mapping[str, str] = {
+    "llama-ref": "hyper_parallel.dmodule.models.llama",
+    "qwen3-ref": "hyper_parallel.dmodule.models.qwen3",
+}
+
+
 class ModelRegistry:
     """Model specs by name; the module-level functions use one default registry.
+
+    ``builtins`` (name -> module) are models registered by importing their module, which
+    the registry does the first time one is asked for (:data:`BUILTIN_MODELS` in the
+    default registry).
 
     Example::
 
@@ -174,8 +189,19 @@ class ModelRegistry:
         'tiny'
     """
 
-    def __init__(self) -> None:
+    def __init__(self, builtins: Mapping[str, str] | None = None) -> None:
         self._specs: dict[str, ModelSpec] = {}
+        self._builtins = dict(builtins or {})
+
+    def _load_builtin(self, name: str) -> None:
+        """Import the module of built-in model ``name`` (it registers itself), once."""
+        module = self._builtins.pop(name, None)
+        if module is not None and name not in self._specs:
+            importlib.import_module(module)
+
+    def _load_builtins(self) -> None:
+        for name in list(self._builtins):
+            self._load_builtin(name)
 
     def register(self, spec: ModelSpec, *, name: str | None = None, replace: bool = False) -> None:
         """Add ``spec`` under ``name`` (default ``spec.name``); a taken name raises unless ``replace``."""
@@ -194,10 +220,12 @@ class ModelRegistry:
 
     def get(self, name: str) -> ModelSpec:
         """The spec registered as ``name`` (unknown names raise :class:`UnknownModelError`)."""
+        if name not in self._specs:
+            self._load_builtin(name)
         found = self._specs.get(name)
         if found is None:
             raise UnknownModelError(
-                f"get_spec: no model named {name!r}" + _did_you_mean(name, list(self._specs))
+                f"get_spec: no model named {name!r}" + _did_you_mean(name, self.names())
             )
         return found
 
@@ -207,11 +235,12 @@ class ModelRegistry:
         del self._specs[name]
 
     def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._specs)
+        """Registered names (built-in ones included), sorted."""
+        return sorted({*self._specs, *self._builtins})
 
     def find(self, config: object) -> ModelSpec | None:
         """The spec whose ``model`` or flavors are of ``config``'s class (None when none is)."""
+        self._load_builtins()
         for spec in self._specs.values():
             configs = [*spec.flavors.values(), *([spec.model] if spec.model is not None else [])]
             if any(type(c) is type(config) for c in configs):
@@ -219,7 +248,7 @@ class ModelRegistry:
         return None
 
 
-_default_registry = ModelRegistry()
+_default_registry = ModelRegistry(BUILTIN_MODELS)
 
 
 def register_spec(
@@ -251,8 +280,10 @@ def get_spec(name: str) -> ModelSpec:
 
     Example::
 
+        >>> get_spec("llama-ref").config("8B").n_layers  # built-in: no import needed
+        32
         >>> get_spec("no-such-model")  # doctest: +SKIP
-        LookupError: get_spec: no model named 'no-such-model' Known: []
+        LookupError: get_spec: no model named 'no-such-model' Known: ['llama-ref', 'qwen3-ref']
     """
     return _default_registry.get(name)
 

@@ -364,7 +364,11 @@ class Module(_PlatformModule, Configurable):
         # outright on a tensor that has a weak reference; DTensor states are re-registered,
         # once per tensor object so that tied parameters stay tied.
         before = snapshot_states(self, recurse=recurse)
+        tied = _tied_slots(self) if recurse else []
         _apply_tree(self, fn, {}, recurse=recurse)
+        for first, *others in tied:  # torch's _apply makes one new Parameter per slot: re-tie
+            for module, name in others:
+                module._parameters[name] = first[0]._parameters[first[1]]
         for sub in self.modules() if recurse else (self,):
             if isinstance(sub, Module) and sub._parallelized:
                 sub._hp_states_on_meta = bool(_states_on_meta(sub, recurse=False))
@@ -424,6 +428,16 @@ class Module(_PlatformModule, Configurable):
         new_cls = type(nn_module_cls.__name__, (nn_module_cls, Module), attrs)
         _wrapped_classes[nn_module_cls] = new_cls
         return new_cls
+
+
+def _tied_slots(root: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """The ``(module, name)`` slots of each Parameter registered in more than one place."""
+    slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for sub in root.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((sub, name))
+    return [found for found in slots.values() if len(found) > 1]
 
 
 def _reset_own_parameters(self: Any) -> None:

@@ -72,7 +72,9 @@ def _hf_layout(model: torch.nn.Module, adapter: StateDictAdapter) -> dict[str, _
     stacks: dict[str, list[str]] = hf_stacks(list(state)) if callable(hf_stacks) else {}
     layout = {fqn: _Source(tuple(keys), stacked=True) for fqn, keys in stacks.items()}
     rest = {k: v for k, v in state.items() if k not in stacks}
-    by_id = {id(v): k for k, v in rest.items()}
+    by_id: dict[int, str] = {}
+    for k, v in rest.items():  # a tied tensor (two FQNs, one tensor) is known by its first FQN
+        by_id.setdefault(id(v), k)
     for hf_key, value in adapter.to_hf(rest).items():
         fqn = by_id.get(id(value))
         if fqn is None:
@@ -161,7 +163,7 @@ def load_hf(
     state = model.state_dict()
     wanted = [key for source in layout.values() for key in source.keys]
     missing = sorted(hf for hf in wanted if hf not in files)
-    unexpected = sorted(set(files) - set(wanted))
+    unexpected = sorted(set(files) - set(wanted) - set(tied_to))
     safetensors = _safetensors()
     mis_shaped = []
     for fqn, source in layout.items():

@@ -12,7 +12,7 @@ Example::
 """
 
 from hyper_parallel.dmodule.layers._common import block_sharding
-from hyper_parallel.dmodule.layers.attention import Attention, apply_rotary, rotary_tables
+from hyper_parallel.dmodule.layers.attention import Attention
 from hyper_parallel.dmodule.layers.block import TransformerBlock
 from hyper_parallel.dmodule.layers.embedding import Embedding
 from hyper_parallel.dmodule.layers.feed_forward import FeedForward
@@ -27,6 +27,12 @@ from hyper_parallel.dmodule.layers.moe import (
     update_load_balance,
 )
 from hyper_parallel.dmodule.layers.norm import LayerNorm, RMSNorm
+from hyper_parallel.dmodule.layers.rope import (
+    RopeScaling,
+    apply_rotary,
+    rope_inv_freq,
+    rotary_tables,
+)
 
 __all__ = [
     "Attention",
@@ -37,6 +43,7 @@ __all__ = [
     "Linear",
     "MoE",
     "RMSNorm",
+    "RopeScaling",
     "TokenChoiceTopKRouter",
     "TransformerBlock",
     "apply_rotary",
@@ -44,6 +51,7 @@ __all__ = [
     "cross_entropy",
     "expert_sharding",
     "moe_aux_loss",
+    "rope_inv_freq",
     "rotary_tables",
     "update_load_balance",
 ]

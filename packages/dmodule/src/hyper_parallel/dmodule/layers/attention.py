@@ -17,52 +17,13 @@ from hyper_parallel.dmodule.context_parallel import (
 )
 from hyper_parallel.dmodule.layers._common import block_sharding
 from hyper_parallel.dmodule.layers.linear import Linear
+from hyper_parallel.dmodule.layers.rope import RopeScaling, apply_rotary, rotary_tables
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dtensor import DTensor, Replicate
 
-__all__ = ["Attention", "apply_rotary", "rotary_tables"]
+__all__ = ["Attention"]
 
 _ROPE_BUFFERS = ("rope_cos", "rope_sin")
-
-
-def rotary_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of shape ``(max_seq_len, head_dim // 2)`` for rotary embeddings.
-
-    Example::
-
-        >>> cos, sin = rotary_tables(8, 16, 10000.0)
-        >>> cos.shape
-        torch.Size([16, 4])
-    """
-    if head_dim % 2:
-        raise ValueError(f"rotary_tables: head_dim must be even, found {head_dim}")
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the last dim of ``x`` (``(..., seq, head_dim)``) by position.
-
-    ``cos``/``sin`` are the tables' rows of each token's position, broadcastable to
-    ``(..., seq, head_dim // 2)`` (e.g. ``(batch, 1, seq, head_dim // 2)``). The result
-    keeps ``x``'s dtype: the float32 tables are cast to it first, as transformers' rotary
-    embedding does, so bfloat16 queries (FSDP's mixed precision) stay bfloat16.
-
-    Example::
-
-        >>> cos, sin = rotary_tables(4, 3, 10000.0)
-        >>> apply_rotary(torch.ones(1, 1, 3, 4), cos, sin).shape
-        torch.Size([1, 1, 3, 4])
-    """
-    # chunk (not slicing) keeps the backward free of slice_backward, which has no DTensor rule.
-    first, second = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
 class Attention(Module):
@@ -100,6 +61,7 @@ class Attention(Module):
         n_kv_heads: int | None = None
         max_seq_len: int = 128
         rope_theta: float = 10000.0
+        rope_scaling: RopeScaling | None = None  # Llama 3.1's llama3 scaling (None: plain RoPE)
         use_rope: bool = True
         context_parallel: str = "allgather"  # over mesh axis cp: allgather, ring or alltoall
         sharding_config = block_sharding(replicated_states=_ROPE_BUFFERS)
@@ -161,7 +123,9 @@ class Attention(Module):
         self.wk = Linear.Config.colwise(config.dim, kv_width, states_only=True).build()
         self.wv = Linear.Config.colwise(config.dim, kv_width, states_only=True).build()
         self.wo = Linear.Config.rowwise(q_width, config.dim, states_only=True).build()
-        cos, sin = rotary_tables(self.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rotary_tables(
+            self.head_dim, config.max_seq_len, config.rope_theta, scaling=config.rope_scaling
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         #: The ``cp`` axis this layer's sequence is split over (set by context parallelism).
@@ -170,7 +134,11 @@ class Attention(Module):
     def _init_self_buffers(self, *, buffer_device: torch.device | str | None = None) -> None:
         device = buffer_device if buffer_device is not None else self.wq.weight.device
         cos, sin = rotary_tables(
-            self.head_dim, self.config.max_seq_len, self.config.rope_theta, device
+            self.head_dim,
+            self.config.max_seq_len,
+            self.config.rope_theta,
+            device,
+            scaling=self.config.rope_scaling,
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KeyMap", "read_hf_config"]
+__all__ = ["HFFields", "KeyMap", "read_hf_config"]
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -63,13 +63,92 @@ class KeyMap:
 def read_hf_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``config.json`` of a transformers checkpoint directory (or the file itself).
 
+    A missing file, invalid JSON or JSON that is not an object raise a ``ValueError``
+    naming the file (and where in it the JSON broke).
+
     Example::
 
         >>> read_hf_config("path/to/Qwen3-0.6B")["model_type"]  # doctest: +SKIP
         'qwen3'
     """
-    path = Path(directory)
-    path = path / "config.json" if path.is_dir() else path
-    with open(path) as f:
-        data: dict[str, Any] = json.load(f)
+    path = _config_path(directory)
+    if not path.is_file():
+        raise FileNotFoundError(f"from_hf: no config.json at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"from_hf: {path} is not valid JSON: {error.msg} at line {error.lineno} column "
+            f"{error.colno}"
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"from_hf: {path} is not UTF-8 text ({error.reason})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"from_hf: {path}: expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def _config_path(directory: str | os.PathLike[str]) -> Path:
+    path = Path(directory)
+    return path / "config.json" if path.is_dir() else path
+
+
+_MISSING = object()
+
+
+class HFFields:
+    """Typed reads of a ``config.json``'s fields; a missing or mistyped one names file and field.
+
+    Example::
+
+        >>> HFFields({"hidden_size": 8}, "config.json").int("hidden_size")
+        8
+        >>> HFFields({}, "config.json").int("hidden_size")
+        Traceback (most recent call last):
+        ...
+        ValueError: from_hf: config.json: missing field 'hidden_size' (an int)
+    """
+
+    def __init__(self, data: dict[str, Any], path: str) -> None:
+        self.data, self.path = data, path
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike[str]) -> HFFields:
+        """The fields of ``directory``'s ``config.json`` (:func:`read_hf_config`)."""
+        return cls(read_hf_config(directory), str(_config_path(directory)))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Field ``key`` as it is (``default`` when absent)."""
+        return self.data.get(key, default)
+
+    def _get(self, key: str, default: object, kind: str) -> Any:
+        value = self.data.get(key, default)
+        if value is _MISSING:
+            raise ValueError(f"from_hf: {self.path}: missing field {key!r} ({kind})")
+        return value
+
+    def _bad(self, key: str, kind: str, value: object) -> ValueError:
+        return ValueError(f"from_hf: {self.path}: field {key!r}: expected {kind}, found {value!r}")
+
+    def int(self, key: str, default: object = _MISSING) -> int:
+        """Field ``key``, an int (JSON numbers without a fraction)."""
+        value = self._get(key, default, "an int")
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise self._bad(key, "an int", value)
+        return value
+
+    def float(self, key: str, default: object = _MISSING) -> float:
+        """Field ``key``, a number."""
+        value = self._get(key, default, "a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._bad(key, "a number", value)
+        return float(value)
+
+    def bool(self, key: str, default: object = _MISSING) -> bool:
+        """Field ``key``, true or false."""
+        value = self._get(key, default, "true or false")
+        if not isinstance(value, bool):
+            raise self._bad(key, "true or false", value)
+        return value

@@ -185,6 +185,12 @@ def pipeline_with_loss(
             f"n_microbatches, stages_per_rank or split"
         )
     pp = mesh.pp if isinstance(mesh, ParallelDims) else mesh.size(axis_name(MeshAxisName.PP))
+    if pp > 1 and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise ValueError(
+            f"{where}: tie_word_embeddings=True shares one weight between the embedding (first "
+            f"pipeline stage) and the output (last stage), which pp={pp} puts on different "
+            "ranks; untie them (tie_word_embeddings=false) or use pp=1"
+        )
     options.setdefault("n_microbatches", pp)
     # the rest of job_config is each stage's parallelize_fn's (activation_checkpoint, mp_policy)
     rest = (

@@ -1,7 +1,8 @@
 """The reference Llama-style decoder; its parallelism plan is ``llama_sharding.py``.
 
 Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelSpec`
-``"llama-ref"`` (flavors ``"debug"``, ``"small"``).
+``"llama-ref"``: flavors ``"debug"``, ``"small"`` and the published Llama 3.2 ``"1B"``,
+``"3B"`` and Llama 3.1 ``"8B"``, ``"70B"``, ``"405B"``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hyper_parallel.dmodule.context_parallel import (
     gather_sequence,
     reduce_loss,
 )
-from hyper_parallel.dmodule.layers import TransformerBlock, cross_entropy
+from hyper_parallel.dmodule.layers import RopeScaling, TransformerBlock, cross_entropy
 from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
 from hyper_parallel.dmodule.models._sharding import check_head_sizes, pipeline_with_loss
 from hyper_parallel.dmodule.models.llama_hf import LlamaStateDictAdapter, llama_config_from_hf
@@ -104,6 +105,8 @@ class Llama(BaseModel):
         max_seq_len: int = 64
         norm_eps: float = 1e-6
         rope_theta: float = 10000.0
+        rope_scaling: RopeScaling | None = None  # Llama 3.1's "llama3" scaling (None: plain)
+        tie_word_embeddings: bool = False  # output.weight is tok_embeddings.weight
         use_rope: bool = True
         use_local_map: bool = False
         compile_local_map: bool = False  # torch.compile the local_map blocks' local math
@@ -185,6 +188,8 @@ class Llama(BaseModel):
             """
             nparams, flops = BaseModel.Config.get_nparams_and_flops(self, model, seq_len)
             head_dim = self.dim // self.n_heads
+            if self.tie_word_embeddings:  # the shared weight is the output projection too
+                flops += 6.0 * self.vocab_size * self.dim
             return nparams, flops + 12.0 * self.n_layers * self.n_heads * head_dim * seq_len
 
     def __init__(self, config: Llama.Config) -> None:
@@ -196,6 +201,8 @@ class Llama(BaseModel):
         self.layers = ModuleList([block.build() for _ in range(config.n_layers)])
         self.norm = norm_config(config).build()
         self.output = output_config(config).build()
+        if config.tie_word_embeddings:  # one Parameter: TP, FSDP and load_hf keep it one
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(
         self,
@@ -389,7 +396,22 @@ class Llama(BaseModel):
     context_parallel: ContextParallel | None = None
 
 
+def _llama3(**fields: Any) -> Llama.Config:
+    """A published Llama 3.x shape: vocab, norm eps, RoPE theta and context of the family."""
+    return Llama.Config(
+        vocab_size=128256,
+        n_kv_heads=8,
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        **fields,
+    )
+
+
 def _flavors() -> dict[str, Any]:
+    """``debug``/``small`` to test with; the rest are the published ``config.json`` of Meta's
+    Llama 3.2 (1B, 3B: tied embeddings, RoPE scaling factor 32) and Llama 3.1 (8B, 70B,
+    405B: factor 8), field for field."""
     return {
         "debug": Llama.Config(),
         "small": Llama.Config(
@@ -400,6 +422,35 @@ def _flavors() -> dict[str, Any]:
             n_kv_heads=4,
             ffn_dim=1536,
             max_seq_len=256,
+        ),
+        "1B": _llama3(
+            dim=2048,
+            n_layers=16,
+            n_heads=32,
+            ffn_dim=8192,
+            rope_scaling=RopeScaling(factor=32.0),
+            tie_word_embeddings=True,
+        ),
+        "3B": _llama3(
+            dim=3072,
+            n_layers=28,
+            n_heads=24,
+            ffn_dim=8192,
+            rope_scaling=RopeScaling(factor=32.0),
+            tie_word_embeddings=True,
+        ),
+        "8B": _llama3(
+            dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, rope_scaling=RopeScaling(factor=8.0)
+        ),
+        "70B": _llama3(
+            dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, rope_scaling=RopeScaling(factor=8.0)
+        ),
+        "405B": _llama3(
+            dim=16384,
+            n_layers=126,
+            n_heads=128,
+            ffn_dim=53248,
+            rope_scaling=RopeScaling(factor=8.0),
         ),
     }
 

@@ -139,6 +139,7 @@ def attention_config(config: Llama.Config) -> Attention.Config:
         n_kv_heads=config.n_kv_heads,
         max_seq_len=config.max_seq_len,
         rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
         use_rope=config.use_rope,
         context_parallel=config.context_parallel,
     )
@@ -389,7 +390,8 @@ def apply_fsdp(
     """``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``: HSDP) axes, after TP.
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
-    together, then the root, each with ``mp_policy`` (TorchTitan's mixed precision: e.g.
+    together (with tied embeddings: the embedding, the norm and the output, one unit
+    holding their one shared weight), then the root, each with ``mp_policy`` (TorchTitan's mixed precision: e.g.
     bfloat16 compute copies of float32 weights). A mesh without a ``dp_shard`` axis leaves
     the model as it is.
 
@@ -428,10 +430,14 @@ def apply_fsdp(
         if hooks is not None:
             hooks.remove()
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
+    # tied embeddings: one Parameter in two modules goes in one unit, with the output's
+    tied = model.config.tie_word_embeddings
+    if not tied:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-    fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=policy)
+    ends = [model.tok_embeddings, model.norm, model.output] if tied else [model.norm, model.output]
+    fully_shard(ends, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     if cp > 1:  # a sum over the cp ranks (each holds a share of one loss), a mean over the data
         cast("FSDPModule", model).set_gradient_divide_factor(float(data_parallel))

@@ -1,7 +1,9 @@
 """The reference Qwen3 / Qwen3-MoE decoder; its parallelism plan is ``qwen3_sharding.py``.
 
 Importing this module registers it as the :class:`~hyper_parallel.dmodule.ModelSpec`
-``"qwen3-ref"`` (flavors ``"debug"``, ``"debug-moe"``, ``"small"``, ``"small-moe"``).
+``"qwen3-ref"``: flavors ``"debug"``, ``"debug-moe"``, ``"small"``, ``"small-moe"`` and the
+published Qwen3 ``"0.6B"``, ``"1.7B"``, ``"4B"``, ``"8B"``, ``"14B"``, ``"32B"``,
+``"30B-A3B"``, ``"235B-A22B"``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Qwen3(BaseModel):
         max_seq_len: int = 64
         norm_eps: float = 1e-6
         rope_theta: float = 1000000.0
+        tie_word_embeddings: bool = False  # output.weight is tok_embeddings.weight
         num_experts: int = 0
         top_k: int = 2
         moe_ffn_dim: int = 64
@@ -174,6 +177,8 @@ class Qwen3(BaseModel):
             inactive = n_moe * (self.num_experts - self.top_k) * 3 * self.dim * self.moe_ffn_dim
             head_dim = self.head_dim if self.head_dim is not None else self.dim // self.n_heads
             attention = 12.0 * self.n_layers * self.n_heads * head_dim * seq_len
+            if self.tie_word_embeddings:  # the shared weight is the output projection too
+                flops += 6.0 * self.vocab_size * self.dim
             return nparams, flops - 6.0 * inactive + attention
 
     def __init__(self, config: Qwen3.Config) -> None:
@@ -185,6 +190,8 @@ class Qwen3(BaseModel):
         self.layers = ModuleList([block_config(config, i).build() for i in range(config.n_layers)])
         self.norm = norm_config(config).build()
         self.output = output_config(config).build()
+        if config.tie_word_embeddings:  # one Parameter: TP, FSDP and load_hf keep it one
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of integer ``tokens`` ``(batch, seq)``.
@@ -220,7 +227,26 @@ class Qwen3(BaseModel):
         return self
 
 
+def _qwen3(**fields: Any) -> Qwen3.Config:
+    """A published Qwen3 shape: vocab, head_dim, norm eps, RoPE theta and context of the family."""
+    return Qwen3.Config(
+        vocab_size=151936,
+        head_dim=128,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        **fields,
+    )
+
+
+def _qwen3_moe(**fields: Any) -> Qwen3.Config:
+    """A published Qwen3-MoE shape: 128 experts, 8 per token, normalised top-k weights."""
+    return _qwen3(num_experts=128, top_k=8, route_norm=True, n_kv_heads=4, **fields)
+
+
 def _flavors() -> dict[str, Any]:
+    """``debug*``/``small*`` to test with; the rest are the published ``config.json`` of
+    Qwen3 (0.6B, 1.7B, 4B: tied embeddings) and Qwen3-MoE, field for field."""
     small = Qwen3.Config(
         vocab_size=8192,
         dim=512,
@@ -236,6 +262,20 @@ def _flavors() -> dict[str, Any]:
         "debug-moe": Qwen3.Config(num_experts=8, top_k=2, moe_ffn_dim=32),
         "small": small,
         "small-moe": small.replace(num_experts=16, top_k=4, moe_ffn_dim=384),
+        "0.6B": _qwen3(
+            dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_word_embeddings=True
+        ),
+        "1.7B": _qwen3(
+            dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_word_embeddings=True
+        ),
+        "4B": _qwen3(
+            dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=9728, tie_word_embeddings=True
+        ),
+        "8B": _qwen3(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288),
+        "14B": _qwen3(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408),
+        "32B": _qwen3(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600),
+        "30B-A3B": _qwen3_moe(dim=2048, n_layers=48, n_heads=32, ffn_dim=6144, moe_ffn_dim=768),
+        "235B-A22B": _qwen3_moe(dim=4096, n_layers=94, n_heads=64, ffn_dim=12288, moe_ffn_dim=1536),
     }
 
 

@@ -11,16 +11,59 @@ the Hub's per-expert matrices: our ``experts.w1 [E, hidden, dim]`` is the Hub's
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from hyper_parallel.dmodule.models._hf_keys import KeyMap, read_hf_config
+from hyper_parallel.config import ConfigError
+from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap
 
-if TYPE_CHECKING:
-    from hyper_parallel.dmodule.models.qwen3 import Qwen3
+# qwen3.py imports this file (its Config's from_hf, its spec's adapter); this file imports
+# no model: it reads the fields below, which Qwen3.Config has.
+_C = TypeVar("_C")
 
-__all__ = ["Qwen3StateDictAdapter", "qwen3_config_from_hf", "qwen3_config_to_hf"]
+
+class Qwen3Fields(Protocol):
+    """The fields of ``Qwen3.Config`` that ``config.json`` describes."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def moe_ffn_dim(self) -> int: ...
+    @property
+    def decoder_sparse_step(self) -> int: ...
+    @property
+    def mlp_only_layers(self) -> tuple[int, ...]: ...
+    @property
+    def route_norm(self) -> bool: ...
+
+
+__all__ = ["Qwen3Fields", "Qwen3StateDictAdapter", "qwen3_config_from_hf", "qwen3_config_to_hf"]
 
 # (our FQN pattern, Hugging Face key pattern); {i} is a layer index
 _KEYS = (
@@ -64,13 +107,16 @@ class Qwen3StateDictAdapter:
         ['model.layers.0.mlp.experts.0.gate_proj.weight', 'model.layers.0.mlp.experts.1.gate_proj.weight']
     """
 
-    def __init__(self, config: Qwen3.Config) -> None:
+    def __init__(self, config: Qwen3Fields) -> None:
         self.config = config
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Our FQNs to Hugging Face keys; stacked experts split into one tensor per expert."""
+        """Our FQNs to Hugging Face keys; stacked experts split into one tensor per expert;
+        no ``lm_head.weight`` with tied embeddings."""
         out: dict[str, Any] = {}
         for key, value in state_dict.items():
+            if key == "output.weight" and self.config.tie_word_embeddings:
+                continue  # tied: transformers writes no lm_head.weight (it is the embedding)
             if _is_stacked(key):
                 for e, hf_key in enumerate(self.hf_stacks([key])[key]):
                     out[hf_key] = value[e]
@@ -141,16 +187,15 @@ def _num_experts(hf: dict[str, Any]) -> int:
     return int(hf.get("num_local_experts", hf.get("num_experts")) or 0)
 
 
-def qwen3_config_from_hf(
-    cls: type[Qwen3.Config], directory: str | os.PathLike[str]
-) -> Qwen3.Config:
+def qwen3_config_from_hf(cls: Callable[..., _C], directory: str | os.PathLike[str]) -> _C:
     """``Qwen3.Config.from_hf``: a Config from a ``Qwen3Config`` or ``Qwen3MoeConfig`` json.
 
-    Fields qwen3-ref does not implement (biases, another activation, RoPE scaling,
-    sliding windows, transformers' cross-layer auxiliary loss) raise rather than being
-    silently dropped.
+    Reads ``tie_word_embeddings``. Fields qwen3-ref does not implement (biases, another
+    activation, RoPE scaling, sliding windows, transformers' cross-layer auxiliary loss)
+    raise rather than being silently dropped; a missing or mistyped field, or a file that
+    is not JSON, raises naming the file and the field.
     """
-    hf = read_hf_config(directory)
+    hf = HFFields.read(directory)
     where = f"Qwen3.Config.from_hf({os.fspath(directory)!r})"
     model_type = hf.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
@@ -175,34 +220,44 @@ def qwen3_config_from_hf(
     ]
     if bad:
         raise ValueError(f"{where}: qwen3-ref does not implement {', '.join(bad)}")
-    dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    num_experts = _num_experts(hf) if model_type == "qwen3_moe" else 0
+    dim, n_heads = hf.int("hidden_size"), hf.int("num_attention_heads")
+    num_experts = _num_experts(hf.data) if model_type == "qwen3_moe" else 0
     moe: dict[str, Any] = {}
     if num_experts:
+        mlp_only = hf.get("mlp_only_layers") or ()
+        if not isinstance(mlp_only, (list, tuple)):
+            raise ValueError(
+                f"from_hf: {hf.path}: field 'mlp_only_layers': expected a list of layer "
+                f"indices, found {mlp_only!r}"
+            )
         moe = {
             "num_experts": num_experts,
-            "top_k": int(hf["num_experts_per_tok"]),
-            "moe_ffn_dim": int(hf["moe_intermediate_size"]),
-            "decoder_sparse_step": int(hf.get("decoder_sparse_step", 1)),
-            "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-            "route_norm": bool(hf.get("norm_topk_prob", False)),
+            "top_k": hf.int("num_experts_per_tok"),
+            "moe_ffn_dim": hf.int("moe_intermediate_size"),
+            "decoder_sparse_step": hf.int("decoder_sparse_step", 1),
+            "mlp_only_layers": tuple(int(i) for i in mlp_only),
+            "route_norm": hf.bool("norm_topk_prob", False),
         }
-    return cls(
-        vocab_size=int(hf["vocab_size"]),
-        dim=dim,
-        n_layers=int(hf["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or dim // n_heads),
-        ffn_dim=int(hf["intermediate_size"]),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        **moe,
-    )
+    try:
+        return cls(
+            vocab_size=hf.int("vocab_size"),
+            dim=dim,
+            n_layers=hf.int("num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=hf.int("num_key_value_heads", None) or n_heads,
+            head_dim=hf.int("head_dim", None) or dim // max(n_heads, 1),
+            ffn_dim=hf.int("intermediate_size"),
+            max_seq_len=hf.int("max_position_embeddings", 2048),
+            norm_eps=hf.float("rms_norm_eps", 1e-6),
+            rope_theta=HFFields(rope, hf.path).float("rope_theta", hf.float("rope_theta", 1e4)),
+            tie_word_embeddings=hf.bool("tie_word_embeddings", False),
+            **moe,
+        )
+    except ConfigError as error:  # a value that type-checks but makes no model: name the file
+        raise ValueError(f"{where}: {hf.path}: {error}") from None
 
 
-def qwen3_config_to_hf(config: Qwen3.Config) -> dict[str, Any]:
+def qwen3_config_to_hf(config: Qwen3Fields) -> dict[str, Any]:
     """The ``config.json`` of the transformers model computing what ``config`` does.
 
     ``Qwen3ForCausalLM`` when ``num_experts == 0``, else ``Qwen3MoeForCausalLM``.
@@ -229,7 +284,7 @@ def qwen3_config_to_hf(config: Qwen3.Config) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "use_sliding_window": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "torch_dtype": "float32",
     }
     if config.num_experts:

@@ -306,7 +306,8 @@ def apply_fsdp(
     """``fully_shard`` over the data-parallel axes (``dp_shard``, and ``dp_replicate``: HSDP).
 
     The units are TorchTitan's: the embeddings, each block, the final norm and the output
-    together, then the root; under a :class:`ParallelDims` the routed experts first, over
+    together (with tied embeddings: the embedding, the norm and the output, one unit
+    holding their one shared weight), then the root; under a :class:`ParallelDims` the routed experts first, over
     ``efsdp``. Every unit takes ``mp_policy`` (TorchTitan's mixed precision). A mesh
     without a ``dp_shard`` axis leaves the model as it is.
 
@@ -328,12 +329,16 @@ def apply_fsdp(
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     expert_params = _expert_parameters(model, mesh, policy)
     expert_ids = {id(p) for p in expert_params}
-    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
+    # tied embeddings: one Parameter in two modules goes in one unit, with the output's
+    tied = model.config.tie_word_embeddings
+    if not tied:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
     for layer in model.layers:
         # the routed experts stay on the expert view (their FSDP, over efsdp, is ep's business)
         mine = {p for p in layer.parameters() if id(p) in expert_ids}
         fully_shard(layer, mesh=dp_mesh, ignored_params=mine or None, mp_policy=policy)
-    fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=policy)
+    ends = [model.tok_embeddings, model.norm, model.output] if tied else [model.norm, model.output]
+    fully_shard(ends, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, ignored_params=expert_params or None, mp_policy=policy)
     return model
 
