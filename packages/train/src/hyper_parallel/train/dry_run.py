@@ -393,6 +393,7 @@ def _measure(
             for t in [*model.parameters(), *model.buffers()]:
                 t.zero_()  # no values exist: this marks every state written
         tokens = torch.zeros(microbatch, seq, dtype=torch.long)
+        targets = torch.zeros(microbatch, seq, dtype=torch.long)  # its own storage, as a run's
         inputs: dict[str, torch.Tensor] = {}
         if packed and "document_ids" in inspect.signature(model.loss).parameters:  # type: ignore[arg-type]
             ids = torch.zeros(microbatch, seq, dtype=torch.long)
@@ -403,7 +404,7 @@ def _measure(
 
         def run() -> None:
             with cast:
-                model.loss(tokens, tokens, **inputs)  # type: ignore[operator]
+                model.loss(tokens, targets, **inputs)  # type: ignore[operator]
 
         counted = count_activations(model, blocks, run)
     pieces = {"first": counted.by_label.get("first", 0), "last": counted.by_label.get("last", 0)}
