@@ -33,7 +33,7 @@ def _row(rank: str, c: Candidate) -> str:
     memory = _gib(None if c.measured is None else c.measured.max_total_bytes)
     return (
         f"  {rank:>3}  {axes:<34} {layout.activation_checkpoint:<9} {batch:<11} "
-        f"{memory:>11}  {e.seconds:>9.3f}  {e.tokens_per_second:>12,.0f}  {100 * e.mfu:>5.1f}%"
+        f"{memory:>11}  {e.seconds:>9.4g}  {e.tokens_per_second:>12,.0f}  {100 * e.mfu:>5.1f}%"
     )
 
 
