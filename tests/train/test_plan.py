@@ -94,7 +94,8 @@ def test_plan_refuses_a_model_that_fits_nowhere_naming_the_smallest_need(
         gradient_accumulation_steps=smallest["gradient_accumulation_steps"],
     )
     want = _dry_run_bytes(layout.apply(JobConfig().apply_overrides(TINY_MODEL)), 2)
-    assert f"the smallest per-rank memory found is {want / GIB:.2f} GiB" in captured.err
+    shown = f"{want / GIB:.2f} GiB" if want >= GIB / 10 else f"{want / 2**20:.2f} MiB"
+    assert f"the smallest per-rank memory found is {shown}" in captured.err
     assert layout.describe() in captured.err
     assert main(argv) == 1
     assert "(no layout fits)" in capsys.readouterr().out

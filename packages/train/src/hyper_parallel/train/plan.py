@@ -264,7 +264,7 @@ def enumerate_layouts(
         >>> from hyper_parallel.dmodule.models.llama import Llama
         >>> layouts, _ = enumerate_layouts(JobConfig(), model_facts(Llama.Config(), 64), 2)
         >>> sorted({(l.dp_shard, l.tp, l.cp, l.pp) for l in layouts})[:2]
-        [(1, 1, 1, 2), (1, 1, 2, 1)]
+        [(1, 1, 1, 1), (1, 1, 1, 2)]
     """
     check = check or _trainer_check(job, world)
     layouts: list[Layout] = []

@@ -77,7 +77,7 @@ def model_facts(config: Any, seq_len: int) -> ModelFacts:
 
         >>> from hyper_parallel.dmodule.models.llama import Llama
         >>> model_facts(Llama.Config(), 64).nparams
-        106752
+        106816
     """
     from hyper_parallel.dmodule.layers import MoE
 

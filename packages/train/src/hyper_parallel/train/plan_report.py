@@ -18,7 +18,9 @@ __all__ = ["format_plan", "plan_command", "plan_json"]
 
 
 def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _row(rank: str, c: Candidate) -> str:
@@ -31,7 +33,7 @@ def _row(rank: str, c: Candidate) -> str:
     memory = _gib(None if c.measured is None else c.measured.max_total_bytes)
     return (
         f"  {rank:>3}  {axes:<34} {layout.activation_checkpoint:<9} {batch:<11} "
-        f"{memory:>9}  {e.seconds:>9.3f}  {e.tokens_per_second:>12,.0f}  {100 * e.mfu:>5.1f}%"
+        f"{memory:>11}  {e.seconds:>9.4g}  {e.tokens_per_second:>12,.0f}  {100 * e.mfu:>5.1f}%"
     )
 
 
@@ -50,8 +52,9 @@ def format_plan(job: JobConfig, result: PlanResult) -> str:
         f"{training.param_dtype}; {request.world_size} x {device.name} "
         f"({request.device_memory_gib:g} GiB each, {request.node} per node)",
         f"  {result.considered} layouts; {result.measured} measured by the dry run, "
-        f"{result.ruled_out} ruled out by their weights and optimizer states alone",
-        f"  {'#':>3}  {'layout':<34} {'AC':<9} {'batch':<11} {'GiB/rank':>9}  "
+        f"{result.ruled_out} ruled out unmeasured (the dry run's bytes of layouts sharing "
+        "their weight shards and microbatch exceed the budget)",
+        f"  {'#':>3}  {'layout':<34} {'AC':<9} {'batch':<11} {'memory':>11}  "
         f"{'step (s)':>9}  {'tokens/s':>12}  {'MFU':>6}",
     ]
     fitting = [c for c in result.candidates if c.fits]
@@ -156,7 +159,7 @@ def plan_command(
             "no layout could be measured"
             if smallest is None or smallest.measured is None
             else f"the smallest per-rank memory found is {_gib(smallest.measured.max_total_bytes)} "
-            f"GiB (ranks {list(smallest.measured.busiest_ranks)} of {smallest.layout.describe()})"
+            f"(ranks {list(smallest.measured.busiest_ranks)} of {smallest.layout.describe()})"
         )
         print(
             f"hp-train --plan: nothing fits in {device_memory_gib:g} GiB per rank on "
