@@ -378,3 +378,13 @@ def test_get_spec_knows_the_built_in_models_and_meta_builds_import_no_dynamo() -
     # torch.arange/empty_like on meta run torch's Python references, which import torch._dynamo
     # (seconds): the RoPE tables are not computed there
     assert imported == "[]"
+
+
+def test_load_hf_refuses_an_untied_checkpoint_into_a_tied_model(tmp_path: Path) -> None:
+    untied = _TINY_LLAMA | {"tie_word_embeddings": False}
+    _hf_tiny(untied).save_pretrained(tmp_path)
+    model = Llama.Config.from_hf(tmp_path).replace(tie_word_embeddings=True).build()
+    before = model.tok_embeddings.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"tie_word_embeddings: checkpoint False .* model True"):
+        load_hf(model, tmp_path)
+    assert torch.equal(model.tok_embeddings.weight, before)  # nothing was loaded

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HFFields", "KeyMap", "read_hf_config"]
+__all__ = ["HFFields", "KeyMap", "read_hf_config", "tie_problems"]
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -152,3 +152,19 @@ class HFFields:
         if not isinstance(value, bool):
             raise self._bad(key, "true or false", value)
         return value
+
+
+def tie_problems(hf_config: dict[str, Any], tied: bool) -> list[str]:
+    """A model with tied embeddings cannot take a checkpoint whose output has its own weights.
+
+    (The other way works: an untied model reads the tied checkpoint's embedding twice.)
+
+    Example::
+
+        >>> tie_problems({"tie_word_embeddings": False}, True)
+        ['tie_word_embeddings: checkpoint False (its own lm_head.weight), model True']
+    """
+    theirs = hf_config.get("tie_word_embeddings", False)
+    if tied and theirs is False:
+        return [f"tie_word_embeddings: checkpoint {theirs} (its own lm_head.weight), model True"]
+    return []

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule.layers.rope import RopeScaling
-from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap
+from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap, tie_problems
 
 # llama.py imports this file (its Config's from_hf, its spec's adapter); this file imports
 # no model: it reads the fields below, which Llama.Config has.
@@ -100,6 +100,10 @@ class LlamaStateDictAdapter:
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the model (what ``save_hf`` writes by default)."""
         return llama_config_to_hf(self.config)
+
+    def hf_config_problems(self, hf_config: dict[str, Any]) -> list[str]:
+        """Why a checkpoint's ``config.json`` cannot load into the model (``load_hf`` refuses)."""
+        return tie_problems(hf_config, self.config.tie_word_embeddings)
 
 
 def llama_config_from_hf(cls: Callable[..., _C], directory: str | os.PathLike[str]) -> _C:

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from hyper_parallel.config import ConfigError
-from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap
+from hyper_parallel.dmodule.models._hf_keys import HFFields, KeyMap, tie_problems
 
 # qwen3.py imports this file (its Config's from_hf, its spec's adapter); this file imports
 # no model: it reads the fields below, which Qwen3.Config has.
@@ -165,13 +165,14 @@ class Qwen3StateDictAdapter:
             "moe_intermediate_size": hf_config.get("moe_intermediate_size"),
         }
         wanted = {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_ffn_dim}
+        tie = tie_problems(hf_config, cfg.tie_word_embeddings)
         if not cfg.num_experts:
-            return (
+            return tie + (
                 []
                 if not found["num_experts"]
                 else [f"num_experts: checkpoint {found['num_experts']}, model 0 (dense)"]
             )
-        return [
+        return tie + [
             f"{key}: checkpoint {found[key]}, model {wanted[key]}"
             for key in found
             if found[key] != wanted[key]
