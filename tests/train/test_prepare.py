@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from hyper_parallel.train.cli import main
+from hyper_parallel.train.config import JobConfig
 from hyper_parallel.train.documents import read_documents
+from hyper_parallel.train.job_data import UndecodableTextWarning, load_job_data
 from hyper_parallel.train.prepare import PrepareOptions, prepare
 from hyper_parallel.train.shards import read_index, token_dtype
-from hyper_parallel.train.tokenizer import BYTE_EOS, HFTokenizer
+from hyper_parallel.train.tokenizer import BYTE_EOS, ByteTokenizer, HFTokenizer
 
 
 def _mixed_corpus(root: Path) -> Path:
@@ -170,6 +172,10 @@ def test_undecodable_text_is_counted_and_a_mostly_undecodable_file_refused(tmp_p
     summary = prepare(PrepareOptions(str(corpus), str(out), workers=1))
     assert summary.decode.total == 1 and read_index(out).data["undecodable_characters"] == 1
     assert "1 undecodable character(s)" in summary.line()
+    with pytest.warns(
+        UndecodableTextWarning, match=r"data.path: 1 undecodable character\(s\) .*a.txt \(1, "
+    ):
+        load_job_data(JobConfig().apply_overrides([f"data.path={corpus}"]), ByteTokenizer())
     latin = "Les élèves étaient déçus à côté de l'été. " * 10
     (corpus / "b.txt").write_bytes(latin.encode("latin-1"))
     share = latin.encode("latin-1").decode("utf-8", "replace").count("\ufffd") / len(latin)

@@ -459,6 +459,10 @@ def prepare_main(argv: list[str]) -> int:
         "--overwrite", action="store_true", help="replace OUT when it holds prepared data"
     )
     args = parser.parse_args(argv)
+    if not args.input:
+        parser.error(
+            "INPUT: expected a file, a directory, a glob or a datasets directory, found ''"
+        )
     if args.workers < 0:
         parser.error(f"--workers: expected an int >= 0 (0: one per core), found {args.workers}")
     options = PrepareOptions(
