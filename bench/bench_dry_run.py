@@ -1,4 +1,4 @@
-"""``hp-train --dry-run`` at published sizes: Llama 3.1 405B / 70B / 8B shapes, wall seconds.
+"""``hp-train --dry-run`` at published sizes: llama-ref's Llama 3.1 405B / 70B / 8B flavors.
 
 Each case runs the command a user types (a fresh ``hp-train`` process, imports included)
 and reports its wall time and the busiest role's total; ``--in-process`` also times
@@ -7,8 +7,6 @@ another ``dp_shard x pp`` split (what the planner does per candidate).
 
     uv run python bench/bench_dry_run.py                 # all three
     uv run python bench/bench_dry_run.py --only 405B --in-process
-
-Until the ``llama-ref`` flavors ``8B``/``70B``/``405B`` exist the shapes are dotted overrides.
 """
 
 from __future__ import annotations
@@ -21,15 +19,6 @@ import subprocess
 import sys
 import time
 
-#: name -> (model shape, world size, job overrides)
-SHAPES = {
-    "8B": '{"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336, '
-    '"vocab_size": 128256, "max_seq_len": 8192}',
-    "70B": '{"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_dim": 28672, '
-    '"vocab_size": 128256, "max_seq_len": 8192}',
-    "405B": '{"dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8, '
-    '"ffn_dim": 53248, "vocab_size": 128256, "max_seq_len": 8192}',
-}
 COMMON = ["--training.seq_len=8192", "--training.param_dtype=bfloat16"]
 CASES: dict[str, tuple[int, list[str]]] = {
     # TorchTitan's 8B recipe: FSDP over 8 ranks, selective checkpointing, local batch 1
@@ -73,7 +62,7 @@ CASES: dict[str, tuple[int, list[str]]] = {
 def argv_of(name: str) -> list[str]:
     """The ``hp-train`` arguments of a case (without ``--dry-run``)."""
     world, extra = CASES[name]
-    return [f"--model.config={SHAPES[name]}", *COMMON, *extra, f"--world-size={world}"]
+    return [f"--model.flavor={name}", *COMMON, *extra, f"--world-size={world}"]
 
 
 def run_command(name: str, pycache: str = "") -> tuple[float, float, dict[str, object]]:
