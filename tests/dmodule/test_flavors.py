@@ -388,3 +388,17 @@ def test_load_hf_refuses_an_untied_checkpoint_into_a_tied_model(tmp_path: Path) 
     with pytest.raises(ValueError, match=r"tie_word_embeddings: checkpoint False .* model True"):
         load_hf(model, tmp_path)
     assert torch.equal(model.tok_embeddings.weight, before)  # nothing was loaded
+
+
+def test_from_hf_takes_absent_or_null_optional_fields(tmp_path: Path) -> None:
+    """Llama: no num_key_value_heads (or null) is as many as the query heads, as transformers'
+    LlamaConfig; a null head_dim is dim / heads (it was refused as "expected an int")."""
+    llama = {k: v for k, v in _TINY_LLAMA.items() if k != "num_key_value_heads"}
+    theirs = transformers.LlamaConfig(**llama)
+    assert Llama.Config.from_hf(_write(tmp_path, llama)).n_kv_heads == theirs.num_key_value_heads
+    llama |= {"num_key_value_heads": None, "head_dim": None}
+    assert Llama.Config.from_hf(_write(tmp_path, llama)).n_kv_heads == theirs.num_key_value_heads
+    data = dict(_QWEN3) | {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    data |= {"intermediate_size": 64, "num_key_value_heads": 2, "head_dim": None}
+    data |= {"tie_word_embeddings": False}
+    assert Qwen3.Config.from_hf(_write(tmp_path, data)).head_dim == 16

@@ -218,8 +218,6 @@ def test_a_circle_is_named_with_its_files_and_lines() -> None:
         "from hyper_parallel.dmodule.module import ModuleList",
         "from hyper_parallel.dmodule.models.llama import Llama",
         "from hyper_parallel.dmodule.models.llama_sharding import parallelize_llama",
-        "from hyper_parallel.dmodule.models.qwen3_hf import qwen3_config_to_hf",
-        "from hyper_parallel.dmodule.models.llama_hf import llama_config_to_hf",
     ],
 )
 def test_each_container_path_gives_the_same_class_in_a_fresh_interpreter(first: str) -> None:

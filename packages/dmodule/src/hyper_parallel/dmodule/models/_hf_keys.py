@@ -122,10 +122,23 @@ class HFFields:
         return self.data.get(key, default)
 
     def _get(self, key: str, default: object, kind: str) -> Any:
-        value = self.data.get(key, default)
+        """Field ``key``; absent or null: ``default`` (none given: an error naming the field)."""
+        value = self.data.get(key)
+        if value is None:
+            value = default
         if value is _MISSING:
             raise ValueError(f"from_hf: {self.path}: missing field {key!r} ({kind})")
         return value
+
+    def opt_int(self, key: str) -> int | None:
+        """Field ``key``, an int, or None when it is absent or null.
+
+        Example::
+
+            >>> HFFields({"head_dim": None}, "config.json").opt_int("head_dim") is None
+            True
+        """
+        return None if self.data.get(key) is None else self.int(key)
 
     def _bad(self, key: str, kind: str, value: object) -> ValueError:
         return ValueError(f"from_hf: {self.path}: field {key!r}: expected {kind}, found {value!r}")

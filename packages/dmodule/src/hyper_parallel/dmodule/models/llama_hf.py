@@ -166,7 +166,7 @@ def _config(
         dim=dim,
         n_layers=hf.int("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=hf.int("num_key_value_heads", None) or n_heads,
+        n_kv_heads=hf.opt_int("num_key_value_heads") or n_heads,
         ffn_dim=hf.int("intermediate_size"),
         max_seq_len=hf.int("max_position_embeddings", 2048),
         norm_eps=hf.float("rms_norm_eps", 1e-6),
