@@ -121,6 +121,13 @@ def test_a_mixture_draws_each_source_by_its_weight_and_resumes_from_its_position
         for expected in straight[rank][4:]:
             got = resumed.next_step()
             assert all(torch.equal(g.tokens, e.tokens) for g, e in zip(got, expected, strict=True))
+    # validation (no shuffle): each source in order, the sources still interleaved
+    ordered = MixtureSampler(
+        mixture, seed=0, dp_rank=0, dp=1, local_batch=20, accumulation=1, shuffle=False
+    )
+    firsts = ordered.next_step()[0].tokens[:, 0].tolist()
+    assert set(firsts) == {97, 98, 99}
+    assert [i for s, i in ordered.draws(0, 200) if s == 0][:5] == [0, 1, 2, 3, 4]
     rows = [b.tokens for r in range(2) for b in straight[r][0]]
     assert torch.equal(
         torch.cat(rows),

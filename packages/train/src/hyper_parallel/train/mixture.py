@@ -60,7 +60,8 @@ class MixtureSampler:
     """This data-parallel rank's microbatches of each step, drawn from a :class:`Mixture`.
 
     Global batches and ranks' rows as :class:`~.data.BatchSampler`; ``position`` is the
-    whole state.
+    whole state. ``shuffle = False`` (validation) walks each source in order; the sources
+    stay interleaved by the seeded blocks.
 
     Example::
 
@@ -105,9 +106,9 @@ class MixtureSampler:
             slots = torch.repeat_interleave(
                 torch.arange(len(self.counts)), torch.tensor(self.counts)
             )
-            if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + block)
-                slots = slots[torch.randperm(BLOCK, generator=generator)]
+            # interleaved even without shuffle (validation): every source in every batch
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + block)
+            slots = slots[torch.randperm(BLOCK, generator=generator)]
             one_hot = torch.nn.functional.one_hot(slots, len(self.counts))
             before = (one_hot.cumsum(0) - one_hot).gather(1, slots[:, None])[:, 0]
             self._block = (block, slots, before)
