@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -23,15 +21,6 @@ from hyper_parallel.train.precision import mixed_precision_policy
 __all__ = ["BuiltModel", "build_model", "build_model_config", "build_optimizer", "model_job_config"]
 
 
-def _register_models() -> None:
-    """Import hp-dmodule's reference models, each of which registers its spec on import."""
-    import hyper_parallel.dmodule.models as models
-
-    for info in pkgutil.iter_modules(models.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{models.__name__}.{info.name}")
-
-
 def build_model_config(
     job: JobConfig, tokenizer_vocab: int, allow_imports: tuple[str, ...] = ()
 ) -> Any:
@@ -45,7 +34,6 @@ def build_model_config(
         >>> build_model_config(JobConfig(), 257).vocab_size
         257
     """
-    _register_models()
     try:
         spec = get_spec(job.model.name)
     except LookupError as error:
