@@ -123,6 +123,12 @@ def _dropout_1d() -> dict[str, Any]:
     }
 
 
+def hp_local(t: Any) -> torch.Tensor:
+    """The local shard of an hp DTensor (a function: ``F.dropout`` is typed as a Tensor's)."""
+    local: torch.Tensor = t.to_local()
+    return local
+
+
 def _rand_1d_and_manual_seed() -> dict[str, Any]:
     """torch's ``test_deterministic_rand_1d``, ``test_manual_seed`` and ``..._submesh``."""
     rank = torch.distributed.get_rank()
@@ -138,6 +144,12 @@ def _rand_1d_and_manual_seed() -> dict[str, Any]:
     out["sharded"] = sharded.to_local().clone()
     out["replicated"] = replicated.to_local().clone()
     out["seed"] = torch.initial_seed()
+    # vouched-for seeds (#35): dropout of a Replicate issues no collective, its replicas agree
+    ones = hp.distribute_tensor(torch.ones(8, 8), mesh, [hp.Replicate()])
+    with hp.CommDebugMode() as dropout_comm:
+        dropped = [hp_local(F.dropout(ones, p=0.5, training=True)) for _ in range(3)]
+    out["dropout_comm"] = dropout_comm.counts()
+    out["dropout"] = torch.stack(dropped)
     # torch's test_init_with_user_generator: a generator seeded like the default one
     # draws the same values, and both advance
     t1 = hp.empty(8, 3, device_mesh=mesh, placements=[hp.Shard(0)])
@@ -311,6 +323,9 @@ def test_deterministic_rand_1d_and_manual_seed(four_ranks: list[dict[str, Any]])
         assert run["manual_seed_comm"] == {}, run["manual_seed_comm"]
         assert torch.equal(run["replicated"], runs[0]["replicated"])
         assert run["seed"] == 1234
+        assert run["dropout_comm"] == {}, run["dropout_comm"]
+        assert torch.equal(run["dropout"], runs[0]["dropout"]), (rank, "replicas differ")
+        assert not torch.equal(run["dropout"][0], run["dropout"][1])  # drawn, not constant
         assert "manual_seed requires the current rank to be a part of the device mesh" in str(
             run["outside"]
         ), run["outside"]
