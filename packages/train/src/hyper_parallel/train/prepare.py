@@ -10,6 +10,7 @@ shard. Everything is written into a hidden directory beside OUT, renamed to OUT 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import multiprocessing
 import os
@@ -258,9 +259,11 @@ def _plan(options: PrepareOptions, workers: int) -> tuple[list[_Part], bool]:
         return by_rows, True
     files = [(file, file.stat().st_size) for file in find_files(options.input, key=key)]
     target = min(options.part_bytes, max(sum(s for _, s in files) // (workers * 4), 1 << 20))
+    # a newline byte ends a line only in ASCII-compatible encodings (not UTF-16, ...)
+    splittable = "\n".encode(options.encoding) == b"\n"
     pieces: list[tuple[_Piece, int]] = []
     for file, size in files:
-        if reads_as_jsonl(file, options.format) and size > target:
+        if splittable and reads_as_jsonl(file, options.format) and size > target:
             pieces += _jsonl_pieces(file, size, target)
         else:
             pieces.append((_Piece(str(file)), size))
@@ -462,6 +465,12 @@ def prepare_main(argv: list[str]) -> int:
     if not args.input:
         parser.error(
             "INPUT: expected a file, a directory, a glob or a datasets directory, found ''"
+        )
+    try:
+        codecs.lookup(args.encoding)
+    except LookupError:
+        parser.error(
+            f"--data.encoding: expected a text encoding Python knows, found {args.encoding!r}"
         )
     if args.workers < 0:
         parser.error(f"--workers: expected an int >= 0 (0: one per core), found {args.workers}")
