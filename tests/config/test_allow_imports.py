@@ -72,18 +72,18 @@ def test_the_allowlist_checks_what_a_path_resolves_to_not_the_text_before_the_co
 ) -> None:
     import posixpath
 
-    allowed = ("torch.nn.functional", "os.path")
-    # an attribute walk out of the allowed module: torch.nn.functional.torch.os.system
-    walk = "torch.nn.functional:torch.os.system"
-    with pytest.raises(ConfigError, match="passes through module 'torch'") as e:
+    allowed = ("logging", "os.path")
+    # an attribute walk out of the allowed module: logging imports os, so logging.os.system
+    walk = "logging:os.system"
+    with pytest.raises(ConfigError, match="passes through module 'os'") as e:
         Job.Config.from_dict({"init": walk}, allow_imports=allowed)
     assert e.value.path == "init"
     # ... also as the function of a _partial_ (which would run a shell command when called)
     marker = tmp_path / "ran"
     partial = {"_partial_": walk, "args": [f"touch {marker}"]}
-    with pytest.raises(ConfigError, match="passes through module 'torch'"):
+    with pytest.raises(ConfigError, match="passes through module 'os'"):
         Job.Config.from_dict({"hooks": [partial]}, allow_imports=allowed)
-    with pytest.raises(ConfigError, match="passes through module 'torch'"):
+    with pytest.raises(ConfigError, match="passes through module 'os'"):
         Job.Config().apply_overrides([f"init={walk}"], allow_imports=allowed)
     assert not marker.exists()
     # a function an allowed module imported from elsewhere: refused by where it is defined
@@ -91,8 +91,3 @@ def test_the_allowlist_checks_what_a_path_resolves_to_not_the_text_before_the_co
         Job.Config.from_dict({"init": "os.path:exists"}, allow_imports=allowed)
     both = ("os.path", "posixpath")  # the module named and the one defining join
     assert Job.Config.from_dict({"init": "os.path:join"}, allow_imports=both).init is posixpath.join
-    # torch.nn.functional's compiled kernels (torch._C._nn.gelu) stay admitted
-    import torch
-
-    gelu = Job.Config.from_dict({"init": "torch.nn.functional:gelu"}, allow_imports=allowed).init
-    assert gelu is torch.nn.functional.gelu

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from hyper_parallel.config import ConfigError
+from hyper_parallel.config import ConfigError, Configurable
 from hyper_parallel.dmodule import ParallelDims
 from hyper_parallel.train import JobConfig, batch_layout, load_job, to_toml
 from hyper_parallel.train.cli import main, preflight
@@ -280,3 +282,25 @@ def test_the_allowlist_walk_around_through_torch_is_refused(
     assert main([f'--model.config.param_init={{"weight": "{walk}"}}']) == 2
     assert "passes through module 'torch'" in capsys.readouterr().err
     assert not marker.exists()
+
+
+class _Activation(Configurable):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        fn: Callable[..., object] | None = None
+
+    def __init__(self, *, config: _Activation.Config) -> None:
+        self.config = config
+
+
+def test_the_allowlist_admits_torch_functional_compiled_kernels() -> None:
+    """``torch.nn.functional:gelu`` is defined in torch._C._nn, a compiled part of torch itself."""
+    import torch
+
+    allowed = ("torch.nn.functional",)
+    gelu = _Activation.Config.from_dict({"fn": "torch.nn.functional:gelu"}, allow_imports=allowed)
+    assert gelu.fn is torch.nn.functional.gelu
+    with pytest.raises(ConfigError, match="passes through module 'torch'"):
+        _Activation.Config.from_dict(
+            {"fn": "torch.nn.functional:torch.os.system"}, allow_imports=allowed
+        )
