@@ -94,25 +94,28 @@ class _SliceGroups:
     """The process group of every mesh-axis slice built so far, by value (see the module
     docstring): a second mesh of an equal value reuses the first one's groups.
 
-    Strong references, reset when the default process group changes (destroyed and
-    initialised again): torch keeps every group alive until then anyway. Never garbage
-    dependent: every rank creates every slice's group (``new_group`` is collective), so the
-    lookups hit and miss alike on every rank.
+    Held as long as the default process group lives (keyed weakly by it): torch keeps every
+    group alive until ``destroy_process_group`` anyway, and releasing them with it (not at
+    interpreter exit, after torch's teardown) lets gloo join its threads in order. Never
+    garbage dependent while the world lives: every rank creates every slice's group
+    (``new_group`` is collective), so the lookups hit and miss alike on every rank.
     """
 
     def __init__(self) -> None:
-        self._world: object = None
-        self._groups: dict[GroupKey, ProcessGroup] = {}
+        self._by_world: weakref.WeakKeyDictionary[object, dict[GroupKey, ProcessGroup]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def get_or_create(self, key: GroupKey, description: str) -> ProcessGroup:
         """The group of slice ``key`` (collective on the first call for it, as ``new_group``)."""
         world = torch.distributed.group.WORLD
-        if world is not self._world:
-            self._world, self._groups = world, {}
-        group = self._groups.get(key)
+        if world is None:  # no process group: new_group says so
+            return get_platform().new_group(list(key[2]), description=description)
+        groups = self._by_world.setdefault(world, {})
+        group = groups.get(key)
         if group is None:
             group = get_platform().new_group(list(key[2]), description=description)
-            self._groups[key] = group
+            groups[key] = group
         return group
 
 
