@@ -23,6 +23,7 @@ from hyper_parallel.train.tokenizer import Tokenizer
 __all__ = [
     "Batch",
     "BatchSampler",
+    "GlobalBatchWalk",
     "InMemoryTokens",
     "PackedSamples",
     "Prefetcher",
@@ -145,7 +146,41 @@ def pack(
     return PackedSamples(InMemoryTokens(torch.cat(pieces), torch.cat(owners)), seq_len)
 
 
-class BatchSampler:
+class GlobalBatchWalk:
+    """The walk of global batches both samplers share (:class:`BatchSampler`, a mixture's).
+
+    Global batch ``g`` holds the positions ``g*G .. g*G+G-1``; rank ``r`` of ``dp`` takes
+    positions ``r*G/dp .. (r+1)*G/dp - 1``, in ``accumulation`` microbatches of
+    ``local_batch``. ``position`` (samples consumed, all ranks together) is the whole state;
+    a subclass says which sample stands at a position (:meth:`rows`).
+    """
+
+    def __init__(self, *, dp_rank: int, dp: int, local_batch: int, accumulation: int) -> None:
+        self.dp_rank, self.dp = dp_rank, dp
+        self.local_batch, self.accumulation = local_batch, accumulation
+        self.global_batch = dp * local_batch * accumulation
+        self.position = 0
+
+    def rows(self, position: int, count: int) -> Batch:
+        """The samples at positions ``position .. position + count - 1`` as one batch."""
+        raise NotImplementedError
+
+    def step_batches(self, position: int) -> list[Batch]:
+        """This rank's microbatches of the global batch that starts at ``position``."""
+        per_rank = self.local_batch * self.accumulation
+        first = position + self.dp_rank * per_rank
+        return [
+            self.rows(first + i, self.local_batch) for i in range(0, per_rank, self.local_batch)
+        ]
+
+    def next_step(self) -> list[Batch]:
+        """This rank's microbatches of the next global batch (advances ``position``)."""
+        batches = self.step_batches(self.position)
+        self.position += self.global_batch
+        return batches
+
+
+class BatchSampler(GlobalBatchWalk):
     """This data-parallel rank's microbatches of each step, from seeded permutations of the samples.
 
     Global batch ``g`` holds the samples at positions ``g*G .. g*G+G-1`` of the endless
@@ -179,11 +214,8 @@ class BatchSampler:
                 f"expected at least one sample of seq_len {samples.seq_len} + 1 tokens, found "
                 f"{samples.tokens} tokens (more text, or a shorter training.seq_len)"
             )
+        super().__init__(dp_rank=dp_rank, dp=dp, local_batch=local_batch, accumulation=accumulation)
         self.samples, self.seed, self.shuffle = samples, seed, shuffle
-        self.dp_rank, self.dp = dp_rank, dp
-        self.local_batch, self.accumulation = local_batch, accumulation
-        self.global_batch = dp * local_batch * accumulation
-        self.position = 0
         self._epoch: tuple[int, torch.Tensor] | None = None
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -205,20 +237,6 @@ class BatchSampler:
     def rows(self, position: int, count: int) -> Batch:
         """The samples at positions ``position .. position + count - 1`` as one batch."""
         return self.samples.batch(self.indices(position, count))
-
-    def step_batches(self, position: int) -> list[Batch]:
-        """This rank's microbatches of the global batch that starts at ``position``."""
-        per_rank = self.local_batch * self.accumulation
-        first = position + self.dp_rank * per_rank
-        return [
-            self.rows(first + i, self.local_batch) for i in range(0, per_rank, self.local_batch)
-        ]
-
-    def next_step(self) -> list[Batch]:
-        """This rank's microbatches of the next global batch (advances ``position``)."""
-        batches = self.step_batches(self.position)
-        self.position += self.global_batch
-        return batches
 
     @property
     def epoch(self) -> float:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyper_parallel.train.data import Batch, PackedSamples
+from hyper_parallel.train.data import Batch, GlobalBatchWalk, PackedSamples
 
 __all__ = ["BLOCK", "Mixture", "MixtureSampler", "block_counts"]
 
@@ -56,7 +56,7 @@ class Mixture:
         return self.sources[0].seq_len
 
 
-class MixtureSampler:
+class MixtureSampler(GlobalBatchWalk):
     """This data-parallel rank's microbatches of each step, drawn from a :class:`Mixture`.
 
     Global batches and ranks' rows as :class:`~.data.BatchSampler`; ``position`` is the
@@ -91,11 +91,8 @@ class MixtureSampler:
                     f"data.mix: {name}: expected at least one sample of seq_len "
                     f"{source.seq_len} + 1 tokens, found {source.tokens} tokens"
                 )
+        super().__init__(dp_rank=dp_rank, dp=dp, local_batch=local_batch, accumulation=accumulation)
         self.mixture, self.seed, self.shuffle = mixture, seed, shuffle
-        self.dp_rank, self.dp = dp_rank, dp
-        self.local_batch, self.accumulation = local_batch, accumulation
-        self.global_batch = dp * local_batch * accumulation
-        self.position = 0
         self.counts = block_counts(list(mixture.weights))
         self._block: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._orders: dict[tuple[int, int], torch.Tensor] = {}
@@ -144,20 +141,6 @@ class MixtureSampler:
         samples = [self.mixture.sources[s].sample(i) for s, i in self.draws(position, count)]
         tokens, targets, documents = zip(*samples, strict=True)
         return Batch(torch.stack(tokens), torch.stack(targets), torch.stack(documents))
-
-    def step_batches(self, position: int) -> list[Batch]:
-        """This rank's microbatches of the global batch that starts at ``position``."""
-        per_rank = self.local_batch * self.accumulation
-        first = position + self.dp_rank * per_rank
-        return [
-            self.rows(first + i, self.local_batch) for i in range(0, per_rank, self.local_batch)
-        ]
-
-    def next_step(self) -> list[Batch]:
-        """This rank's microbatches of the next global batch (advances ``position``)."""
-        batches = self.step_batches(self.position)
-        self.position += self.global_batch
-        return batches
 
     @property
     def epoch(self) -> float:
