@@ -12,13 +12,19 @@ import torch
 from hyper_parallel.config import ConfigError, Configurable, enforce_module_config_slots
 from hyper_parallel.dmodule._forward import ForwardPlan
 from hyper_parallel.dmodule._state_checks import (
-    REPLACED,
-    UNSET,
     arm_state_check,
     mark_replaced,
     meta_forward_message,
     snapshot_states,
     watch_fresh_states,
+)
+from hyper_parallel.dmodule._state_tree import (
+    apply_tree,
+    as_parameter,
+    device_type_of,
+    same_tensor,
+    states_on_meta,
+    tied_slots,
 )
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.planner import ShardingError, declaration_problems, plan_parallelize
@@ -145,7 +151,7 @@ class Module(_PlatformModule, Configurable):
                 unknown = instance._unknown_initializers()
                 if unknown:
                     raise ConfigError(unknown[0][1], path=f"param_init.{unknown[0][0]}")
-                if _states_on_meta(instance):
+                if states_on_meta(instance):
                     # built on meta: a forward on real inputs is refused until to_empty()
                     arm_state_check(instance)
             return instance
@@ -249,7 +255,7 @@ class Module(_PlatformModule, Configurable):
                 f"{type(self).__name__}.init_states: missing initializers:\n  "
                 + "\n  ".join(problems)
             )
-        on_meta = _states_on_meta(self)
+        on_meta = states_on_meta(self)
         if on_meta:
             shown = ", ".join(repr(n) for n in on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
             raise ValueError(
@@ -281,7 +287,7 @@ class Module(_PlatformModule, Configurable):
             for name, param in self._parameters.items():
                 if param is not None:
                     result = inits[name](param)
-                    if isinstance(result, torch.Tensor) and not _same_tensor(result, param):
+                    if isinstance(result, torch.Tensor) and not same_tensor(result, param):
                         raise ValueError(
                             f"{type(self).__name__}.{name}: param_init[{name!r}] "
                             f"({_describe_init(inits[name])}) returned a new tensor instead of "
@@ -355,7 +361,7 @@ class Module(_PlatformModule, Configurable):
             model = Qwen3.Config().build().parallelize(ParallelDims(tp=2, ep=2))
         """
         if isinstance(mesh, ParallelDims):
-            mesh.build_mesh(None if mesh.is_built else _device_type_of(self))
+            mesh.build_mesh(None if mesh.is_built else device_type_of(self))
         plans, problems = plan_parallelize(self, mesh)
         if problems:
             raise ShardingError(type(self).__name__, problems)
@@ -367,7 +373,7 @@ class Module(_PlatformModule, Configurable):
                     continue
                 new: torch.Tensor = distribute_state(state.tensor, state.mesh, state.placements)
                 if state.is_parameter:
-                    new = _as_parameter(new, state.tensor)
+                    new = as_parameter(new, state.tensor)
                 replaced[id(state.tensor)] = new
         root = type(self).__name__
         for prefix, sub in self.named_modules():
@@ -387,7 +393,7 @@ class Module(_PlatformModule, Configurable):
                 module._hp_forward_plan = plan.forward
                 module.__class__ = _parallel_class(type(module))
             module._parallelized = True
-            module._hp_states_on_meta = bool(_states_on_meta(module, recurse=False))
+            module._hp_states_on_meta = bool(states_on_meta(module, recurse=False))
         return self
 
     def layout_problems(self, layouts: dict[str, tuple[DeviceMesh, list[Placement]]]) -> list[str]:
@@ -410,14 +416,14 @@ class Module(_PlatformModule, Configurable):
         # outright on a tensor that has a weak reference; DTensor states are re-registered,
         # once per tensor object so that tied parameters stay tied.
         before = snapshot_states(self, recurse=recurse)
-        tied = _tied_slots(self) if recurse else []
-        _apply_tree(self, fn, {}, recurse=recurse)
+        tied = tied_slots(self) if recurse else []
+        apply_tree(self, fn, {}, recurse=recurse)
         for first, *others in tied:  # torch's _apply makes one new Parameter per slot: re-tie
             for module, name in others:
                 module._parameters[name] = first[0]._parameters[first[1]]
         for sub in self.modules() if recurse else (self,):
             if isinstance(sub, Module) and sub._parallelized:
-                sub._hp_states_on_meta = bool(_states_on_meta(sub, recurse=False))
+                sub._hp_states_on_meta = bool(states_on_meta(sub, recurse=False))
         watch_fresh_states(self, before, everything=self._hp_emptying)
         return self
 
@@ -476,74 +482,8 @@ class Module(_PlatformModule, Configurable):
         return new_cls
 
 
-def _tied_slots(root: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
-    """The ``(module, name)`` slots of each Parameter registered in more than one place."""
-    slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
-    for sub in root.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                slots.setdefault(id(param), []).append((sub, name))
-    return [found for found in slots.values() if len(found) > 1]
-
-
 def _reset_own_parameters(self: Any) -> None:
     self.reset_parameters()
-
-
-def _as_parameter(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` as a Parameter carrying ``old``'s ``requires_grad`` and Python attributes."""
-    param = platform.Parameter(new, requires_grad=old.requires_grad)
-    for key, value in old.__dict__.items():
-        if key not in ("_is_param", "_hp_grad_hook", REPLACED, UNSET):
-            param.__dict__[key] = value
-    return param
-
-
-_torch_apply = cast(
-    "Callable[..., torch.nn.Module]",
-    torch.nn.Module._apply,  # untyped in torch
-)
-
-
-def _apply_tree(
-    module: torch.nn.Module,
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    converted: dict[int, torch.Tensor],
-    *,
-    recurse: bool = True,
-) -> None:
-    """``nn.Module._apply`` over a subtree, DTensor states re-registered (memo: ``converted``)."""
-    if recurse:
-        for child in module.children():
-            _apply_tree(child, fn, converted)
-    state_dicts: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-    held: list[tuple[dict[str, Any], str, torch.Tensor]] = [
-        (states, name, value)
-        for states in state_dicts
-        for name, value in states.items()
-        if isinstance(value, DTensor)
-    ]
-    if not held:
-        _torch_apply(module, fn, recurse=False)
-        return
-    with torch.no_grad():
-        for states, _, value in held:
-            if id(value) in converted:
-                continue
-            applied = fn(value)
-            if states is module._parameters:
-                param = _as_parameter(applied, value)
-                if value.grad is not None:
-                    param.grad = fn(value.grad)
-                applied = param
-            converted[id(value)] = applied
-    for states, name, _ in held:
-        states[name] = None  # torch's _apply skips None states
-    try:
-        _torch_apply(module, fn, recurse=False)
-    finally:
-        for states, name, value in held:
-            states[name] = converted[id(value)]
 
 
 def _init_module(module: torch.nn.Module, buffer_device: torch.device | str | None) -> None:
@@ -618,30 +558,9 @@ def _parallel_class(cls: type) -> type:
     return new_cls
 
 
-def _same_tensor(result: torch.Tensor, param: torch.Tensor) -> bool:
-    """True when ``result`` is ``param`` or a view of its memory (what an in-place init returns)."""
-    if result is param:
-        return True
-    if isinstance(result, DTensor) or isinstance(param, DTensor):
-        if not (isinstance(result, DTensor) and isinstance(param, DTensor)):
-            return False
-        result, param = result.to_local(), param.to_local()
-    if result.device != param.device:
-        return False
-    if result.is_meta:
-        return result.shape == param.shape  # meta tensors have no memory to compare
-    return bool(result.untyped_storage().data_ptr() == param.untyped_storage().data_ptr())
-
-
 def _describe_init(init: object) -> str:
     name = getattr(init, "__qualname__", None) or getattr(init, "__name__", None)
     return str(name) if name else repr(init)
-
-
-def _states_on_meta(module: torch.nn.Module, *, recurse: bool = True) -> list[str]:
-    """Names of the (sub)tree's parameters and buffers that are meta tensors."""
-    found = [n for n, p in module.named_parameters(recurse=recurse) if p.is_meta]
-    return found + [n for n, b in module.named_buffers(recurse=recurse) if b.is_meta]
 
 
 def _refuse_meta_forward(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -649,7 +568,7 @@ def _refuse_meta_forward(module: Module, args: tuple[Any, ...], kwargs: dict[str
     inputs = [*args, *kwargs.values()]
     real = [x for x in inputs if isinstance(x, torch.Tensor) and not x.is_meta]
     if real:
-        names = _states_on_meta(module, recurse=False)
+        names = states_on_meta(module, recurse=False)
         raise RuntimeError(meta_forward_message(type(module).__name__, names, real[0].device))
 
 
@@ -739,11 +658,3 @@ _wrapped_classes.update(
         torch.nn.Sequential: Sequential,
     }
 )
-
-
-def _device_type_of(module: torch.nn.Module) -> str:
-    """The device type of ``module``'s first state not on meta (``"cpu"`` when none is)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type != "meta":
-            return tensor.device.type
-    return "cpu"
