@@ -19,6 +19,7 @@ from tests.dmodule._checkpoint_training import CONFIG, app_state, build, full_pa
 
 from hyper_parallel.dmodule.checkpoint import (
     MANIFEST,
+    CheckpointCorruptError,
     CheckpointMismatchError,
     PendingSave,
     TrainingState,
@@ -167,21 +168,38 @@ def _load_incompatible(directory: str) -> dict[str, Any]:
         load(app_state(model, opt, TrainingState()), directory)
     except CheckpointMismatchError as error:
         after = full_params(model)
-        return {
+        found: dict[str, Any] = {
             "message": str(error),
             "missing": error.missing,
             "unexpected": error.unexpected,
             "mis_shaped": error.mis_shaped,
             "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
         }
-    return {}
+    else:
+        return {}
+    # the ranks hash the files in turns (file i by rank i % 2): damage one that rank 1 hashes
+    checkpoint = Path(directory) / "step-0"
+    order = sorted(p.name for p in checkpoint.iterdir() if p.name != MANIFEST)
+    found["damaged"] = order[1]
+    torch.distributed.barrier()  # every rank has listed the files
+    if torch.distributed.get_rank() == 0:
+        data = bytearray((checkpoint / order[1]).read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size: only its SHA-256 tells
+        (checkpoint / order[1]).write_bytes(bytes(data))
+    torch.distributed.barrier()
+    try:
+        load(app_state(model, opt, TrainingState()), directory)
+    except CheckpointCorruptError as error:
+        found["corrupt"] = (error.file, str(error))
+    return found
 
 
 def test_loading_an_incompatible_model_names_every_bad_key_and_modifies_nothing(
     tmp_path: Path,
 ) -> None:
     run_on_ranks(_save_small, 2, str(tmp_path))
-    for found in run_on_ranks(_load_incompatible, 2, str(tmp_path)):
+    results = run_on_ranks(_load_incompatible, 2, str(tmp_path))
+    for found in results:
         assert found, "no CheckpointMismatchError"
         assert found["unchanged"]
         assert "app.model.layers.2.attention.wq.weight" in found["missing"]
@@ -191,3 +209,7 @@ def test_loading_an_incompatible_model_names_every_bad_key_and_modifies_nothing(
             (32, 16),
         )
         assert "nothing was modified" in found["message"]
+    # a changed file is named on every rank, whichever rank hashed it
+    (rank0, rank1) = (found["corrupt"] for found in results)
+    assert rank0[0] == rank1[0] == results[0]["damaged"], (rank0, rank1)
+    assert "SHA-256" in rank0[1] and "SHA-256" in rank1[1] and "nothing was read" in rank0[1]

@@ -35,7 +35,12 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from hyper_parallel.dmodule.checkpoint.manifest import MANIFEST, damage, write_manifest
+from hyper_parallel.dmodule.checkpoint.manifest import (
+    MANIFEST,
+    damage,
+    manifest_order,
+    write_manifest,
+)
 from hyper_parallel.dmodule.checkpoint.state_dict import ModelState
 from hyper_parallel.dmodule.checkpoint.training_state import TrainingState
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives, init_device_mesh
@@ -179,12 +184,70 @@ def verify_checkpoint(directory: str | os.PathLike[str], step: int) -> None:
         intact = next((s for s in reversed(older) if damage(step_path(directory, s)) is None), None)
         raise CheckpointCorruptError(path, found[0], found[1], intact)
     if not (path / MANIFEST).is_file():
-        warnings.warn(
-            f"checkpoint {path} has no {MANIFEST} (saved before manifests were written): "
-            "its files cannot be checked for damage",
-            UnverifiedCheckpointWarning,
-            stacklevel=2,
-        )
+        _warn_unverified(path, stacklevel=3)
+
+
+def _warn_unverified(path: Path, stacklevel: int) -> None:
+    warnings.warn(
+        f"checkpoint {path} has no {MANIFEST} (saved before manifests were written): "
+        "its files cannot be checked for damage",
+        UnverifiedCheckpointWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _shared_damage(
+    directory: str | os.PathLike[str], step: int, device_type: str
+) -> CheckpointCorruptError | None:
+    """:func:`verify_checkpoint`'s finding, every rank hashing its share of the files (collective).
+
+    Each of ``n`` ranks checks the manifest and every file's size and hashes every
+    ``n``-th file; the ranks agree on the first damaged file in the manifest's order, so
+    every rank returns the same error (the hashing rank's words for a changed file). The
+    newest intact older step is searched the same way.
+    """
+    platform = get_platform()
+    world = platform.get_world_size() if platform.is_initialized() else 1
+    first = _first_damaged(step_path(directory, step), world, device_type)
+    if first is None:
+        return None
+    older = [s for s in committed_steps(directory) if s < step]
+    intact = next(
+        (
+            s
+            for s in reversed(older)
+            if _first_damaged(step_path(directory, s), world, device_type) is None
+        ),
+        None,
+    )
+    return CheckpointCorruptError(step_path(directory, step), first[0], first[1], intact)
+
+
+def _first_damaged(path: Path, world: int, device_type: str) -> tuple[str, str] | None:
+    """The first file of ``path`` off its manifest as every rank agrees, with this rank's words."""
+    found = damage(path, (_rank(), world))
+    if world == 1:
+        return found
+    order = manifest_order(path)
+    clean = len(order) + 1  # the manifest itself unreadable sorts first (-1)
+    position = clean
+    if found is not None:
+        position = order.index(found[0]) if found[0] in order else -1
+    mesh = _world_mesh(device_type, world)
+    wire = torch.tensor(
+        [position], dtype=torch.int64, device=get_platform().device_for(device_type)
+    )
+    first = int(collectives.all_reduce(wire, mesh, 0, "min").item())
+    if first == clean:
+        return None
+    name = MANIFEST if first == -1 else order[first]
+    if found is not None and found[0] == name:
+        return found
+    # a changed file another rank hashed (sizes and the manifest every rank checks)
+    return name, (
+        f"has a SHA-256 other than its manifest's (found by rank {first % world}: its bytes "
+        "changed after the save)"
+    )
 
 
 class PendingSave:
@@ -303,16 +366,11 @@ def load(
     path = step_path(directory, step)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"load: {path} is not a committed checkpoint (no .metadata)")
-    corrupt: CheckpointCorruptError | None = None
-    if _rank() == 0:  # one reader of every file; the others wait in agree()
-        try:
-            verify_checkpoint(directory, step)
-        except CheckpointCorruptError as error:
-            corrupt = error
-    if agree(corrupt is not None, _device_type(state)) and corrupt is None:
-        raise ValueError(f"load: checkpoint {path} is damaged (rank 0 names the file)")
+    corrupt = _shared_damage(directory, step, _device_type(state))
     if corrupt is not None:
         raise corrupt
+    if _rank() == 0 and not (path / MANIFEST).is_file():
+        _warn_unverified(path, stacklevel=3)
     metadata = FileSystemReader(str(path)).read_metadata()
     for key, value in state.items():
         if isinstance(value, TrainingState):
