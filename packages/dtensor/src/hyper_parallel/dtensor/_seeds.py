@@ -69,6 +69,24 @@ class _MeshRecord:
 
     aligned: frozenset[int]
     epoch: int
+    complete: bool  # every axis of size > 1 is aligned
+
+
+def _state_key(state_bytes: bytes) -> int:
+    """A hash of a generator state, to remember it by.
+
+    torch's CPU generator state (5,056 bytes) is a Mersenne twister's: its head holds the
+    seed and the position in the 624-word block and then the first words of the block,
+    which all change at each twist; its tail holds the cached normal samples. Two states
+    with equal heads and tails are one state (but for chance), and hashing 128 bytes
+    instead of 5,056 keeps the steady state's cost low. Other states are hashed whole.
+    """
+    if len(state_bytes) == _MT_STATE_BYTES:
+        return hash((state_bytes[:64], state_bytes[-64:]))
+    return hash(state_bytes)
+
+
+_MT_STATE_BYTES = 5056
 
 
 @dataclass
@@ -77,15 +95,17 @@ class _Stream:
 
     last: torch.Tensor | None = None  # the state the last DTensor random op left
     last_bytes: bytes = b""
+    last_fresh: bool = False  # ... was its seed's fresh state (the op drew nothing)
     seed: int | None = None  # torch.initial_seed() then
     epoch: int = 0  # reseeds seen
+    meshes: dict[DeviceMesh, _MeshRecord] = field(default_factory=dict)
     # hash of a state known to be aligned -> the state to draw from (None: itself)
     known: OrderedDict[int, torch.Tensor | None] = field(default_factory=OrderedDict)
     fresh: dict[int, bytes] = field(default_factory=dict)  # seed -> its fresh state
     warned_moved: bool = False
 
     def remember(self, state_bytes: bytes, use: torch.Tensor | None) -> None:
-        key = hash(state_bytes)
+        key = _state_key(state_bytes)
         self.known[key] = use
         self.known.move_to_end(key)
         if len(self.known) > _KNOWN_CAPACITY:
@@ -93,10 +113,9 @@ class _Stream:
 
 
 class _SeedSync:
-    """Per (mesh, device type): what is aligned; per device type: the stream; and whether the caller vouches."""
+    """Per device type: the stream (and per mesh what is aligned); whether the caller vouches."""
 
     def __init__(self) -> None:
-        self.meshes: dict[tuple[DeviceMesh, str], _MeshRecord] = {}
         self.streams: dict[str, _Stream] = {}
         self.trusted = False
 
@@ -139,7 +158,7 @@ def _check_every_op() -> bool:
 
 def _generator_state(device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
-        return torch.get_rng_state()
+        return torch.default_generator.get_state()
     module: Any = torch.get_device_module(device.type)
     return module.get_rng_state(device)  # type: ignore[no-any-return]
 
@@ -154,7 +173,7 @@ def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
 
 def _initial_seed(device: torch.device) -> int:
     if device.type == "cpu":
-        return torch.initial_seed()
+        return torch.default_generator.initial_seed()
     module: Any = torch.get_device_module(device.type)
     return int(module.initial_seed())
 
@@ -163,11 +182,8 @@ def _as_bytes(state: torch.Tensor) -> bytes:
     return state.numpy().tobytes()  # type: ignore[no-any-return]
 
 
-def _reseeded(stream: _Stream, device: torch.device, state_bytes: bytes) -> bool:
-    """Whether the generator was seeded since the last DTensor random op (as far as it shows)."""
-    seed = _initial_seed(device)
-    if seed != stream.seed:
-        return True
+def _is_fresh(stream: _Stream, device: torch.device, seed: int, state_bytes: bytes) -> bool:
+    """Whether ``state_bytes`` is the state of a generator just seeded with ``seed``."""
     fresh = stream.fresh.get(seed)
     if fresh is None:
         if len(stream.fresh) > 64:
@@ -175,6 +191,12 @@ def _reseeded(stream: _Stream, device: torch.device, state_bytes: bytes) -> bool
         generator = torch.Generator(device=device).manual_seed(seed)
         fresh = stream.fresh[seed] = _as_bytes(generator.get_state())
     return state_bytes == fresh
+
+
+def _reseeded(stream: _Stream, device: torch.device, state_bytes: bytes) -> bool:
+    """Whether the generator was seeded since the last DTensor random op (as far as it shows)."""
+    seed = _initial_seed(device)
+    return seed != stream.seed or _is_fresh(stream, device, seed, state_bytes)
 
 
 def _fingerprint(state: torch.Tensor) -> int:
@@ -246,7 +268,7 @@ def _start_state(
         return state, False
     if state_bytes == stream.last_bytes:
         return state, False
-    key = hash(state_bytes)
+    key = _state_key(state_bytes)
     if key in stream.known:  # e.g. activation checkpointing's replay
         stream.known.move_to_end(key)
         use = stream.known[key]
@@ -259,12 +281,22 @@ def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) ->
     if _seed_sync.trusted or device.type == "meta" or mesh.get_coordinate() is None:
         return None
     every_op = _check_every_op()
-    stream = _seed_sync.streams.setdefault(device.type, _Stream())
+    stream = _seed_sync.streams.get(device.type)
+    if stream is None:
+        stream = _seed_sync.streams[device.type] = _Stream()
     state = _generator_state(device)
-    state_bytes = _as_bytes(state)
+    state_bytes: bytes = state.numpy().tobytes()
+    record = stream.meshes.get(mesh)
+    if (  # the steady state: nothing moved the generator since the last op, nothing to check
+        record is not None
+        and record.complete
+        and record.epoch == stream.epoch
+        and state_bytes == stream.last_bytes
+        and not (every_op or stream.last_fresh)
+        and _initial_seed(device) == stream.seed
+    ):
+        return stream
     use, moved = _start_state(stream, device, state, state_bytes, every_op)
-    key = (mesh, device.type)
-    record = _seed_sync.meshes.get(key)
     sizes = [(axis, mesh.size(axis)) for axis in range(mesh.ndim)]
     if record is None:  # the mesh's first random op: sync every axis
         aligned: frozenset[int] = frozenset()
@@ -278,7 +310,9 @@ def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) ->
         moved = moved and replaced is use
         use = replaced
     if record is None or axes:
-        _seed_sync.meshes[key] = _MeshRecord(aligned | frozenset(axes), stream.epoch)
+        now = aligned | frozenset(axes)
+        complete = all(size == 1 or axis in now for axis, size in sizes)
+        stream.meshes[mesh] = _MeshRecord(now, stream.epoch, complete)
     if moved:
         _warn_moved(stream, mesh, device)
     if use is not state:
@@ -293,8 +327,9 @@ def _end(stream: _Stream, device: torch.device) -> None:
     """After the draw: its end state is the stream, known to be aligned."""
     state = _generator_state(device)
     stream.last = state
-    stream.last_bytes = _as_bytes(state)
+    stream.last_bytes = state.numpy().tobytes()
     stream.seed = _initial_seed(device)
+    stream.last_fresh = _is_fresh(stream, device, stream.seed, stream.last_bytes)
     stream.remember(stream.last_bytes, None)
 
 

@@ -275,7 +275,8 @@ def _align_for(
     """Around drawing ``spec``'s values: its replicas draw from one state (a user's generator is theirs)."""
     if kwargs.get("generator") is not None:
         return nullcontext()
-    replicated = [axis for axis, p in enumerate(spec.placements) if not p.is_shard()]
+    # consumed only when some axis needs a check (not in steady state)
+    replicated = (axis for axis, p in enumerate(spec.placements) if not p.is_shard())
     return aligned_generator(spec.mesh, device, replicated)
 
 
