@@ -165,6 +165,10 @@ def _checkpoint_replay(line: Any) -> dict[str, Any]:
             loss = y.sum()
         with hp.CommDebugMode() as backward:
             loss.backward()
+        # the recompute ran inside torch's fork_rng: the generator is back where the
+        # forward left it, a state known here, so the next dropout continues from it
+        with hp.CommDebugMode() as after:
+            next_one: Any = F.dropout(dx.detach(), p=P_DROP, training=True)
         w_grad: Any = dw.grad
         x_grad: Any = dx.grad
         out[f"rank0_draws={rank0_draws}"] = {
@@ -173,6 +177,8 @@ def _checkpoint_replay(line: Any) -> dict[str, Any]:
             "x_grad": x_grad.to_local().clone(),
             "forward": forward.counts(),
             "backward": backward.counts(),
+            "after": after.counts(),
+            "next": next_one.to_local().clone(),
         }
     return out
 
@@ -413,9 +419,11 @@ def test_checkpoint_replay_of_dropout_is_exact_with_no_collective_in_backward(
         total: Any = y.sum()
         total.backward()
         assert w1.grad is not None and x1.grad is not None
+        next_one = F.dropout(x, p=P_DROP, training=True)
         for rank, got in enumerate(four_ranks):
             run = got["checkpoint"][label]
-            assert run["forward"] == {} and run["backward"] == {}, (rank, label, run)
+            assert run["forward"] == run["backward"] == run["after"] == {}, (rank, label, run)
+            assert torch.equal(run["next"], next_one), (rank, label)
             assert torch.equal(run["y"], y.detach()), (rank, label)
             assert close(run["w_grad"], w1.grad), (rank, label)
             assert close(run["x_grad"], x1.grad), (rank, label)

@@ -99,7 +99,7 @@ class _Stream:
     seed: int | None = None  # torch.initial_seed() then
     epoch: int = 0  # reseeds seen
     meshes: dict[DeviceMesh, _MeshRecord] = field(default_factory=dict)
-    # hash of a state known to be aligned -> the state to draw from (None: itself)
+    # key of a state a random op started from or left -> the state it drew from (None: itself)
     known: OrderedDict[int, torch.Tensor | None] = field(default_factory=OrderedDict)
     fresh: dict[int, bytes] = field(default_factory=dict)  # seed -> its fresh state
     warned_moved: bool = False
