@@ -184,11 +184,16 @@ def _checkpoint_replay(line: Any) -> dict[str, Any]:
 
 
 def _every_op_check(line: Any) -> dict[str, Any]:
-    """``HYPER_PARALLEL_RNG_CHECK=every_op`` checks before each op; a bad value raises first."""
+    """``HYPER_PARALLEL_RNG_CHECK=every_op`` checks before each op; a bad value raises first.
+
+    The variable is read when an op is not in steady state (a mesh's first, or the first
+    after a reseed): set before a ``torch.manual_seed``, it holds from there on.
+    """
     x = hp.distribute_tensor(torch.ones(4, 4), line, [hp.Replicate()])
     out: dict[str, Any] = {}
     os.environ[_seeds.CHECK_ENV_VAR] = "every_op"
     try:
+        torch.manual_seed(41)
         with hp.CommDebugMode() as comm:
             for _ in range(2):
                 F.dropout(x, p=P_DROP, training=True)

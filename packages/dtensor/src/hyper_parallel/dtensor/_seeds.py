@@ -103,6 +103,7 @@ class _Stream:
     known: OrderedDict[int, torch.Tensor | None] = field(default_factory=OrderedDict)
     fresh: dict[int, bytes] = field(default_factory=dict)  # seed -> its fresh state
     warned_moved: bool = False
+    every_op: bool = False  # HYPER_PARALLEL_RNG_CHECK, as last read
 
     def remember(self, state_bytes: bytes, use: torch.Tensor | None) -> None:
         key = _state_key(state_bytes)
@@ -280,11 +281,11 @@ def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) ->
     """Put the state this rank must draw from in its default generator (maybe a collective)."""
     if _seed_sync.trusted or device.type == "meta" or mesh.get_coordinate() is None:
         return None
-    every_op = _check_every_op()
     stream = _seed_sync.streams.get(device.type)
     if stream is None:
         stream = _seed_sync.streams[device.type] = _Stream()
-    state = _generator_state(device)
+    cpu = device.type == "cpu"
+    state = torch.default_generator.get_state() if cpu else _generator_state(device)
     state_bytes: bytes = state.numpy().tobytes()
     record = stream.meshes.get(mesh)
     if (  # the steady state: nothing moved the generator since the last op, nothing to check
@@ -292,10 +293,13 @@ def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) ->
         and record.complete
         and record.epoch == stream.epoch
         and state_bytes == stream.last_bytes
-        and not (every_op or stream.last_fresh)
-        and _initial_seed(device) == stream.seed
+        and not (stream.every_op or stream.last_fresh)
+        and (torch.default_generator.initial_seed() if cpu else _initial_seed(device))
+        == stream.seed
     ):
         return stream
+    # read here, not in steady state (it costs as much as the steady state's comparison)
+    every_op = stream.every_op = _check_every_op()
     use, moved = _start_state(stream, device, state, state_bytes, every_op)
     sizes = [(axis, mesh.size(axis)) for axis in range(mesh.ndim)]
     if record is None:  # the mesh's first random op: sync every axis
@@ -325,10 +329,11 @@ def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) ->
 
 def _end(stream: _Stream, device: torch.device) -> None:
     """After the draw: its end state is the stream, known to be aligned."""
-    state = _generator_state(device)
+    cpu = device.type == "cpu"
+    state = torch.default_generator.get_state() if cpu else _generator_state(device)
     stream.last = state
     stream.last_bytes = state.numpy().tobytes()
-    stream.seed = _initial_seed(device)
+    stream.seed = torch.default_generator.initial_seed() if cpu else _initial_seed(device)
     stream.last_fresh = _is_fresh(stream, device, stream.seed, stream.last_bytes)
     stream.remember(stream.last_bytes, None)
 
