@@ -13,9 +13,11 @@ round (minimum over rounds, the least-disturbed figure on a loaded machine):
   caller vouches for the seeds), no check, nothing recorded;
 - ``plain``: ``F.dropout`` of the local tensor (no DTensor at all).
 
-It prints microseconds per call, the ratios ``default / trusted`` (the goal: <= 1.1),
-``every_op / trusted`` and ``trusted / plain``, and the collectives per call of each
-variant (``CommDebugMode``).
+It prints microseconds per call (wall clock, and the calling thread's CPU time, which
+a loaded machine disturbs less; a collective's wait is in the wall clock only), the
+ratios ``default / trusted`` (the goal: <= 1.1), ``every_op / trusted`` and
+``trusted / plain`` for both, and the collectives per call of each variant
+(``CommDebugMode``).
 
 Run::
 
@@ -44,11 +46,13 @@ if str(_ROOT) not in sys.path:
 from hyper_parallel.platform_torch.launch import run_distributed  # noqa: E402
 
 
-def _time_us(op: Callable[[], object], calls: int) -> float:
-    start = time.perf_counter()
+def _time_us(op: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Microseconds per call: wall clock, and this thread's CPU time (less hurt by load)."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(calls):
         op()
-    return (time.perf_counter() - start) / calls * 1e6
+    wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    return wall / calls * 1e6, cpu / calls * 1e6
 
 
 def _rank(rows: int, cols: int, rounds: int, calls: int) -> dict[str, Any]:
@@ -69,6 +73,8 @@ def _rank(rows: int, cols: int, rounds: int, calls: int) -> dict[str, Any]:
             os.environ[_seeds.CHECK_ENV_VAR] = "every_op"
         else:
             os.environ.pop(_seeds.CHECK_ENV_VAR, None)
+        # the variable is read off the steady state only (after a reseed, say): mark it read
+        _seeds._seed_sync.streams["cpu"].every_op = variant == "every_op"
 
     variants: dict[str, Callable[[], object]] = {
         "default": lambda: F.dropout(x, p=0.1, training=True),
@@ -87,14 +93,17 @@ def _rank(rows: int, cols: int, rounds: int, calls: int) -> dict[str, Any]:
                 op()
             comm[name] = dict(mode.counts())
         best = dict.fromkeys(variants, float("inf"))
+        best_cpu = dict.fromkeys(variants, float("inf"))
         for _ in range(rounds):
             for name, op in variants.items():
                 use(name)
                 op()
                 torch.distributed.barrier()
-                best[name] = min(best[name], _time_us(op, calls))
+                wall, cpu = _time_us(op, calls)
+                best[name] = min(best[name], wall)
+                best_cpu[name] = min(best_cpu[name], cpu)
     use("default")
-    return {"us": best, "comm": comm}
+    return {"us": best, "cpu_us": best_cpu, "comm": comm}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,12 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         _rank, 2, args=(args.rows, args.cols, args.rounds, args.calls), timeout_s=600.0
     )
     us = {k: max(r["us"][k] for r in per_rank) for k in per_rank[0]["us"]}
+    cpu = {k: max(r["cpu_us"][k] for r in per_rank) for k in per_rank[0]["cpu_us"]}
     print(f"dropout of a {args.rows}x{args.cols} Replicate DTensor, 2 ranks, min of {args.rounds}")
     for name, value in us.items():
-        print(f"  {name:<8} {value:9.1f} us/call  collectives/call {per_rank[0]['comm'][name]}")
-    print(f"  default / trusted  = {us['default'] / us['trusted']:.2f}  (goal <= 1.1)")
-    print(f"  every_op / trusted = {us['every_op'] / us['trusted']:.2f}")
-    print(f"  trusted / plain    = {us['trusted'] / us['plain']:.2f}")
+        print(
+            f"  {name:<8} {value:9.1f} us/call (thread CPU {cpu[name]:7.1f})  "
+            f"collectives/call {per_rank[0]['comm'][name]}"
+        )
+    for label, t in (("wall", us), ("thread CPU", cpu)):
+        print(
+            f"  {label}: default / trusted = {t['default'] / t['trusted']:.2f} (goal <= 1.1), "
+            f"every_op / trusted = {t['every_op'] / t['trusted']:.2f}, "
+            f"trusted / plain = {t['trusted'] / t['plain']:.2f}"
+        )
     return 0
 
 

@@ -106,11 +106,13 @@ class _Stream:
     every_op: bool = False  # HYPER_PARALLEL_RNG_CHECK, as last read
 
     def remember(self, state_bytes: bytes, use: torch.Tensor | None) -> None:
+        known = self.known
         key = _state_key(state_bytes)
-        self.known[key] = use
-        self.known.move_to_end(key)
-        if len(self.known) > _KNOWN_CAPACITY:
-            self.known.popitem(last=False)
+        if key in known:
+            known.move_to_end(key)
+        known[key] = use
+        if len(known) > _KNOWN_CAPACITY:
+            known.popitem(last=False)
 
 
 class _SeedSync:
@@ -277,30 +279,30 @@ def _start_state(
     return stream.last, True
 
 
+def _read(device: torch.device) -> tuple[torch.Tensor, bytes, int]:
+    """The default generator's state (as a tensor and as bytes) and its seed."""
+    if device.type == "cpu":
+        generator = torch.default_generator
+        state = generator.get_state()
+        return state, state.numpy().tobytes(), generator.initial_seed()
+    state = _generator_state(device)
+    return state, state.numpy().tobytes(), _initial_seed(device)
+
+
 def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) -> _Stream | None:
     """Put the state this rank must draw from in its default generator (maybe a collective)."""
-    if _seed_sync.trusted or device.type == "meta" or mesh.get_coordinate() is None:
+    if _seed_sync.trusted or device.type == "meta":
+        return None
+    if mesh.get_coordinate() is None:
         return None
     stream = _seed_sync.streams.get(device.type)
     if stream is None:
         stream = _seed_sync.streams[device.type] = _Stream()
-    cpu = device.type == "cpu"
-    state = torch.default_generator.get_state() if cpu else _generator_state(device)
-    state_bytes: bytes = state.numpy().tobytes()
-    record = stream.meshes.get(mesh)
-    if (  # the steady state: nothing moved the generator since the last op, nothing to check
-        record is not None
-        and record.complete
-        and record.epoch == stream.epoch
-        and state_bytes == stream.last_bytes
-        and not (stream.every_op or stream.last_fresh)
-        and (torch.default_generator.initial_seed() if cpu else _initial_seed(device))
-        == stream.seed
-    ):
-        return stream
     # read here, not in steady state (it costs as much as the steady state's comparison)
     every_op = stream.every_op = _check_every_op()
+    state, state_bytes, _ = _read(device)
     use, moved = _start_state(stream, device, state, state_bytes, every_op)
+    record = stream.meshes.get(mesh)
     sizes = [(axis, mesh.size(axis)) for axis in range(mesh.ndim)]
     if record is None:  # the mesh's first random op: sync every axis
         aligned: frozenset[int] = frozenset()
@@ -327,19 +329,8 @@ def _begin(mesh: DeviceMesh, device: torch.device, replicated: Iterable[int]) ->
     return stream
 
 
-def _end(stream: _Stream, device: torch.device) -> None:
-    """After the draw: its end state is the stream, known to be aligned."""
-    cpu = device.type == "cpu"
-    state = torch.default_generator.get_state() if cpu else _generator_state(device)
-    stream.last = state
-    stream.last_bytes = state.numpy().tobytes()
-    stream.seed = torch.default_generator.initial_seed() if cpu else _initial_seed(device)
-    stream.last_fresh = _is_fresh(stream, device, stream.seed, stream.last_bytes)
-    stream.remember(stream.last_bytes, None)
-
-
 class _AlignedDraw:
-    """The context manager of :func:`aligned_generator`."""
+    """The context manager of :func:`aligned_generator` (the steady state inline: it is per op)."""
 
     __slots__ = ("_device", "_mesh", "_replicated", "_stream")
 
@@ -350,7 +341,27 @@ class _AlignedDraw:
         self._stream: _Stream | None = None
 
     def __enter__(self) -> None:
-        self._stream = _begin(self._mesh, self._device, self._replicated)
+        device = self._device
+        stream = _seed_sync.streams.get(device.type)
+        if stream is not None and not _seed_sync.trusted:
+            record = stream.meshes.get(self._mesh)  # a record: this rank is in the mesh
+            if (
+                record is not None
+                and record.complete
+                and record.epoch == stream.epoch
+                and not (stream.every_op or stream.last_fresh)
+            ):
+                # the steady state: nothing moved the generator since the last op
+                if device.type == "cpu":
+                    generator = torch.default_generator
+                    state_bytes = generator.get_state().numpy().tobytes()
+                    seed = generator.initial_seed()
+                else:
+                    _, state_bytes, seed = _read(device)
+                if state_bytes == stream.last_bytes and seed == stream.seed:
+                    self._stream = stream
+                    return
+        self._stream = _begin(self._mesh, device, self._replicated)
 
     def __exit__(
         self,
@@ -358,8 +369,27 @@ class _AlignedDraw:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._stream is not None:
-            _end(self._stream, self._device)
+        # the draw's end state is the stream, known to be aligned
+        stream = self._stream
+        if stream is None:
+            return
+        device = self._device
+        if device.type == "cpu":
+            generator = torch.default_generator
+            state = generator.get_state()
+            seed = generator.initial_seed()
+        else:
+            state = _generator_state(device)
+            seed = _initial_seed(device)
+        state_bytes: bytes = state.numpy().tobytes()
+        stream.last, stream.last_bytes, stream.seed = state, state_bytes, seed
+        fresh = stream.fresh.get(seed)
+        stream.last_fresh = (
+            state_bytes == fresh
+            if fresh is not None
+            else _is_fresh(stream, device, seed, state_bytes)
+        )
+        stream.remember(state_bytes, None)
 
 
 def aligned_generator(
