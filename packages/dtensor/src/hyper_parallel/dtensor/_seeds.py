@@ -26,11 +26,12 @@ started from (states known to be aligned), and before each op:
 
 Ranks whose state was replaced get a :class:`RandomSeedWarning`. Replicas therefore
 agree whatever each rank's seeds, provided every rank reseeds alike (all of them, or
-none; README "Seeds" states the hazard). ``HYPER_PARALLEL_RNG_CHECK=every_op`` checks
-before every op with replicated results instead (the earlier rule: one all-reduce per
-replicated axis per op, no hazard). :func:`manual_seed` is
-torch's: the caller vouches for the seeds (one per pipeline stage, say), and no state
-is synced, checked or remembered from then on.
+none; README "Seeds" states the hazard). ``HYPER_PARALLEL_RNG_CHECK=every_op`` (read
+off the steady state: at a mesh's first random op and after a reseed) checks before
+every op with replicated results instead (the earlier rule: one all-reduce per
+replicated axis per op, no hazard). :func:`manual_seed` is torch's: the caller vouches
+for the seeds (one per pipeline stage, say), and no state is synced, checked or
+remembered from then on.
 """
 
 from __future__ import annotations
