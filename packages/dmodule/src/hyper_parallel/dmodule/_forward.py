@@ -5,18 +5,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
 import torch
 
+from hyper_parallel.dmodule import _nested
+from hyper_parallel.dmodule._nested import convert, input_conversion, output_conversion
 from hyper_parallel.dmodule.local_map import (
     InputStep,
     OutputStep,
+    dtensor_states,
     enter_local,
     exit_local,
     local_states,
+    local_views,
 )
 from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
@@ -162,6 +167,8 @@ class ForwardPlan:
         """Wrap plain inputs (``in_src``), redistribute (``in_dst``), go local (local_map)."""
         if not (self.in_src or self.in_dst or self.local_map):
             return args, kwargs
+        if _nested.depth:
+            self._refuse_inside_region("in_src_shardings/in_dst_shardings")
         names = self.positional_names
         new_args = tuple(
             self._prepare_input(names[i] if i < len(names) else None, value)
@@ -236,12 +243,19 @@ class ForwardPlan:
         collectives are those of the unfused path (``prepare_inputs``, ``local_states``,
         ``finish_outputs``), which runs when autograd does not record.
         """
+        if _nested.depth:  # called by a region's forward: an inner region, on plain tensors
+            return self.call_inner(module, forward, args, kwargs)
         if self.compile:
+            _warm_inner_regions(module)
             forward = compiled(forward)
         if not torch.is_grad_enabled():
             args, kwargs = self.prepare_inputs(args, kwargs)
             with local_states(module):
-                outputs = forward(module, *args, **kwargs)
+                _nested.depth += 1
+                try:
+                    outputs = forward(module, *args, **kwargs)
+                finally:
+                    _nested.depth -= 1
             return self.finish_outputs(outputs)
         # Every call runs this: loops over the arguments and states are written so that
         # they make no Python call per item (exact-type checks first, no list methods).
@@ -279,12 +293,124 @@ class ForwardPlan:
             args = tuple(new_args)
         for (states, name, _), view in zip(slots, views, strict=True):  # swap_in, inline
             states[name] = view
+        _nested.depth += 1
         try:
             outputs = forward(module, *args, **kwargs)
         finally:
+            _nested.depth -= 1
             for states, name, state in slots:  # swap_back, inline
                 states[name] = state
         return self._finish_local(outputs)
+
+    # -- a local_map call inside another one (an inner region) ---------------------------
+    def call_inner(
+        self,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``forward`` on the plain local inputs an outer region's forward passes.
+
+        No DTensor is built: each declared input and output is moved by
+        :func:`~hyper_parallel.dmodule._nested.convert` (the boundary's collectives on the
+        local tensor, their transposes on its gradient). States the outer region did not
+        swap (a module outside its subtree) are taken local here, one node for all.
+        """
+        names = self.positional_names
+        n_names = len(names)
+        conversions = self._inner_inputs
+        new_args: list[Any] | None = None
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                name = names[i] if i < n_names else None
+                if isinstance(value, DTensor):
+                    self._refuse_dtensor_input(name if name is not None else f"args[{i}]")
+                conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
+                if conversion is not None:
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[i] = convert(value, conversion, f"{self.owner}.{name}")
+        if new_args is not None:
+            args = tuple(new_args)
+        if kwargs:
+            kwargs = dict(kwargs)
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    if isinstance(value, DTensor):
+                        self._refuse_dtensor_input(name)
+                    conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
+                    if conversion is not None:
+                        kwargs[name] = convert(value, conversion, f"{self.owner}.{name}")
+        if self.compile and not torch.compiler.is_compiling():
+            forward = compiled(forward)
+        slots = dtensor_states(module)
+        if not slots:
+            outputs = forward(module, *args, **kwargs)
+        else:
+            views = local_views(module, slots)
+            for (states, name, _), view in zip(slots, views, strict=True):
+                states[name] = view
+            try:
+                outputs = forward(module, *args, **kwargs)
+            finally:
+                for states, name, state in slots:
+                    states[name] = state
+        return self._inner_outputs(outputs)
+
+    @functools.cached_property
+    def _inner_inputs(self) -> dict[str | None, Any]:
+        """Each declared input's conversion in an inner region (validated once, on first use)."""
+        return {
+            name: input_conversion(self.mesh, src, dst, grad, f"{self.owner}: input {name!r}")
+            for name, (src, dst, grad) in self._input_io.items()
+        }
+
+    @functools.cached_property
+    def _inner_every_output(self) -> tuple[bool, Any]:
+        """``(True, conversion)`` when one layout covers every output, else ``(False, None)``."""
+        src, dst = self.out_src, self.out_dst
+        if (src is None or type(src) is EveryOutput) and (dst is None or type(dst) is EveryOutput):
+            src_p = src.placements if src is not None else None
+            dst_p = dst.placements if dst is not None else None
+            where = f"{self.owner}: output"
+            return True, output_conversion(self.mesh, src_p, dst_p, where)
+        return False, None
+
+    def _inner_outputs(self, outputs: Any) -> Any:
+        if self.out_src is None and self.out_dst is None:
+            return outputs
+        every, conversion = self._inner_every_output
+        if every and type(outputs) is torch.Tensor:
+            return outputs if conversion is None else convert(outputs, conversion, self.owner)
+
+        def leaf(value: torch.Tensor, src: Placements | None, dst: Placements | None) -> Any:
+            if isinstance(value, DTensor):
+                raise TypeError(
+                    f"{self.owner}: forward returned a DTensor inside an outer local_map "
+                    "region, where its outputs are plain local tensors"
+                )
+            where = f"{self.owner}: output"
+            found = output_conversion(self.mesh, src, dst, where)
+            return value if found is None else convert(value, found, where)
+
+        return self._finish(outputs, self.out_src, self.out_dst, "output", leaf)
+
+    def _refuse_dtensor_input(self, name: str) -> None:
+        raise TypeError(
+            f"{self.owner}: input {name!r} is a DTensor, but this local_map region is called "
+            "inside another local_map region's forward, where values are plain local "
+            "tensors; pass its local tensor (laid out as in_src_shardings/in_dst_shardings "
+            "declare) or call the region outside the outer one"
+        )
+
+    def _refuse_inside_region(self, what: str) -> None:
+        raise TypeError(
+            f"{self.owner}: declares {what} without local_map but is called inside a "
+            "local_map region's forward, where values are plain local tensors and no "
+            "DTensor is built; give it local_map=LocalMapConfig(...) (an inner region) or "
+            "call it outside the outer region"
+        )
 
     @functools.cached_property
     def _input_io(self) -> dict[str | None, tuple[Placements | None, ...]]:
@@ -331,6 +457,8 @@ class ForwardPlan:
         """Wrap plain outputs (``out_src``) and redistribute them (``out_dst``)."""
         if self.out_src is None and self.out_dst is None:
             return outputs
+        if _nested.depth:
+            self._refuse_inside_region("out_src_shardings/out_dst_shardings")
         return self._finish(outputs, self.out_src, self.out_dst, "output", self._finish_tensor)
 
     def _finish(
@@ -463,6 +591,20 @@ def _fill(value: Any, finished: Sequence[torch.Tensor]) -> Any:
     return value
 
 
+def _warm_inner_regions(module: torch.nn.Module) -> None:
+    """Resolve the inner regions' conversions (groups, ranks) before a compiled outer
+    forward traces them: dynamo does not trace hp-dtensor's mesh code."""
+    if module in _warmed:
+        return
+    for sub in module.modules():
+        plan = getattr(sub, "_hp_forward_plan", None)
+        if isinstance(plan, ForwardPlan) and plan.local_map and sub is not module:
+            plan._inner_inputs  # noqa: B018 (a cached property, computed here)
+            plan._inner_every_output  # noqa: B018
+    _warmed.add(module)
+
+
+_warmed: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 

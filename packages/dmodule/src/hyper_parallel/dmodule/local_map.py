@@ -548,6 +548,19 @@ def enter_local(
     return local_inputs, slots, _local_views(module, slots, shards)
 
 
+def local_views(module: torch.nn.Module, slots: Sequence[StateSlot]) -> list[torch.Tensor]:
+    """The states' local views (one node for all, kept while unchanged), no input moved.
+
+    Example::
+
+        slots = dtensor_states(block)
+        views = local_views(block, slots)
+    """
+    with torch.no_grad():
+        shards = [state.to_local() for _, _, state in slots]
+    return _local_views(module, slots, shards)
+
+
 def exit_local(
     mesh: DeviceMesh, steps: list[OutputStep], values: Sequence[torch.Tensor]
 ) -> tuple[DTensor, ...]:

@@ -166,7 +166,8 @@ def plan_parallelize(
             )
             continue
         inside = [root for root in local_map_roots if _is_within(path, root)]
-        if inside and _has_io_shardings(sc):
+        if inside and _has_io_shardings(sc) and sc.local_map is None:
+            # a local_map block inside one is an inner region (plain tensors both sides)
             planner.problems.append(
                 f"{label}: declares input/output shardings but runs inside the local_map "
                 f"block {inside[-1]!r}, whose forward sees local tensors only"
