@@ -49,6 +49,8 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ours_compiled_blocks": "bench.ours.user_model:build_user_model_compiled_blocks_step",
     "ours_nested": "bench.ours.user_model:build_user_model_nested_step",
     "ours_nested_compiled": "bench.ours.user_model:build_user_model_nested_compiled_step",
+    "ours_region": "bench.ours.user_model:build_user_model_region_step",
+    "ours_region_compiled": "bench.ours.user_model:build_user_model_region_compiled_step",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"

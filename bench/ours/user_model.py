@@ -33,6 +33,8 @@ from hyper_parallel.dtensor import Partial, Replicate, Shard, init_device_mesh
 __all__ = [
     "build_user_model_compiled_blocks_step",
     "build_user_model_nested_compiled_step",
+    "build_user_model_region_compiled_step",
+    "build_user_model_region_step",
     "build_user_model_nested_step",
     "build_user_model_compiled_step",
     "build_user_model_step",
@@ -188,6 +190,15 @@ class UserLlama(Module):
             in_dst_shardings={"tokens": REPLICATED},  # the same token ids on every rank
         )
 
+    # The whole model one outer region: every block's regions inner, the embedding, the
+    # residual stream and the output projection plain; only the logits are a DTensor.
+    REGION = ShardingConfig(
+        state_shardings={"tok_embeddings.weight": REPLICATED, "output": REPLICATED},
+        in_dst_shardings={"tokens": REPLICATED},
+        out_src_shardings=REPLICATED,
+        local_map=LocalMapConfig(),
+    )
+
     def __init__(self, config: UserLlama.Config) -> None:
         super().__init__()
         cfg = config.model
@@ -214,11 +225,15 @@ class UserModelStep:
         ctx: TPContext,
         *,
         nested: bool = False,
+        region: bool = False,
     ) -> None:
         cfg.check_tensor_parallel(ctx.world_size)
         mesh = init_device_mesh(ctx.device_type, (ctx.world_size,), mesh_dim_names=("tp",))
         with torch.device("meta"):
-            model = UserLlama.Config(model=cfg, nested=nested).build()
+            if region:
+                model = UserLlama.Config(model=cfg, sharding_config=UserLlama.REGION).build()
+            else:
+                model = UserLlama.Config(model=cfg, nested=nested).build()
         model.parallelize(mesh)
         model.to_empty(device=ctx.device_type)
         weights = {_our_name(name): w for name, w in full_weights.items()}
@@ -326,4 +341,32 @@ def build_user_model_nested_compiled_step(
         plan = layer._hp_forward_plan
         assert plan is not None
         object.__setattr__(layer, "_hp_forward_plan", dataclasses.replace(plan, compile=True))
+    return step
+
+
+def build_user_model_region_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(m): (e) with the whole model one outer region: embedding, residual stream, norms and
+    output projection on plain local tensors, every block's regions inner; the logits
+    leave as a DTensor for the loss.
+
+    Example:
+        >>> step = build_user_model_region_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    return UserModelStep(cfg, full_weights, ctx, region=True)
+
+
+def build_user_model_region_compiled_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(m'): (m) compiled as one region (the model's forward, inner collectives traced).
+
+    Example:
+        >>> step = build_user_model_region_compiled_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    step = UserModelStep(cfg, full_weights, ctx, region=True)
+    plan = step.model._hp_forward_plan
+    assert plan is not None
+    object.__setattr__(step.model, "_hp_forward_plan", dataclasses.replace(plan, compile=True))
     return step

@@ -247,7 +247,7 @@ class ForwardPlan:
             return self.call_inner(module, forward, args, kwargs)
         if self.compile:
             _warm_inner_regions(module)
-            forward = compiled(forward)
+            forward = _compiled_region(forward)
         if not torch.is_grad_enabled():
             args, kwargs = self.prepare_inputs(args, kwargs)
             with local_states(module):
@@ -342,8 +342,8 @@ class ForwardPlan:
                     conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
                     if conversion is not None:
                         kwargs[name] = convert(value, conversion, f"{self.owner}.{name}")
-        if self.compile and not torch.compiler.is_compiling():
-            forward = compiled(forward)
+        if self.compile and not _nested.compiling:
+            forward = _compiled_region(forward)
         slots = dtensor_states(module)
         if not slots:
             outputs = forward(module, *args, **kwargs)
@@ -589,6 +589,22 @@ def _fill(value: Any, finished: Sequence[torch.Tensor]) -> Any:
     if isinstance(value, dict):
         return type(value)((key, _fill(item, finished)) for key, item in value.items())
     return value
+
+
+def _compiled_region(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled(forward)``, run with ``_nested.compiling`` set: the inner regions it calls
+    move their tensors with collectives dynamo traces."""
+    run = compiled(forward)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = _nested.compiling
+        _nested.compiling = True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _nested.compiling = before
+
+    return call
 
 
 def _warm_inner_regions(module: torch.nn.Module) -> None:

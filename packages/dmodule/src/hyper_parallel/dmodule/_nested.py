@@ -47,6 +47,9 @@ Placements: TypeAlias = tuple[Placement, ...]
 # How many local_map forwards run now (one thread runs a forward): > 0 makes a local_map
 # call an inner region. Read and written as ``_nested.depth`` (no call per region).
 depth = 0
+# True while a compiled region's forward runs (dynamo reads it when it traces, and guards
+# on it): the moves are then torch's functional collectives, which it traces.
+compiling = False
 
 # One move of a local tensor along one mesh axis:
 # (kind, mesh, axis, tensor dim, reduce op, group size, local rank, process group)
@@ -171,7 +174,7 @@ def output_conversion(
 
 def _run(moves: Sequence[Move], x: torch.Tensor) -> torch.Tensor:
     """Apply ``moves`` to the local tensor ``x`` (functional collectives under compile)."""
-    if torch.compiler.is_compiling():
+    if compiling:
         import torch.distributed._functional_collectives as funcol
 
         for kind, _, _, dim, op, size, rank, group in moves:
@@ -232,7 +235,7 @@ def convert(x: torch.Tensor, conversion: Conversion, where: str) -> torch.Tensor
         y = convert(y, output_conversion(mesh, (Partial(),), (Replicate(),), "out"), "out")
     """
     key, moves_forward = conversion
-    if moves_forward and not torch.compiler.is_compiling():
+    if moves_forward and not compiling:
         _check_even(_conversions[key][0], x, where)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Convert.apply(key, x)  # type: ignore[no-any-return]
