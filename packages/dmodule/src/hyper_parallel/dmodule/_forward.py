@@ -330,7 +330,7 @@ class ForwardPlan:
                 if conversion is not None:
                     if new_args is None:
                         new_args = list(args)
-                    new_args[i] = convert(value, conversion, f"{self.owner}.{name}")
+                    new_args[i] = convert(value, conversion, (self, name))
         if new_args is not None:
             args = tuple(new_args)
         if kwargs:
@@ -341,7 +341,7 @@ class ForwardPlan:
                         self._refuse_dtensor_input(name)
                     conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
                     if conversion is not None:
-                        kwargs[name] = convert(value, conversion, f"{self.owner}.{name}")
+                        kwargs[name] = convert(value, conversion, (self, name))
         if self.compile and not _nested.compiling:
             forward = _compiled_region(forward)
         slots = dtensor_states(module)
@@ -382,7 +382,7 @@ class ForwardPlan:
             return outputs
         every, conversion = self._inner_every_output
         if every and type(outputs) is torch.Tensor:
-            return outputs if conversion is None else convert(outputs, conversion, self.owner)
+            return outputs if conversion is None else convert(outputs, conversion, (self, "output"))
 
         def leaf(value: torch.Tensor, src: Placements | None, dst: Placements | None) -> Any:
             if isinstance(value, DTensor):
@@ -390,9 +390,8 @@ class ForwardPlan:
                     f"{self.owner}: forward returned a DTensor inside an outer local_map "
                     "region, where its outputs are plain local tensors"
                 )
-            where = f"{self.owner}: output"
-            found = output_conversion(self.mesh, src, dst, where)
-            return value if found is None else convert(value, found, where)
+            found = output_conversion(self.mesh, src, dst, f"{self.owner}: output")
+            return value if found is None else convert(value, found, (self, "output"))
 
         return self._finish(outputs, self.out_src, self.out_dst, "output", leaf)
 

@@ -132,7 +132,7 @@ def input_conversion(
     Example::
 
         conv = input_conversion(mesh, None, (Replicate(),), (Partial(),), "Attention.x")
-        x = convert(x, conv)   # identity forward, all-reduce backward
+        x = convert(x, conv, (plan, "x"))   # identity forward, all-reduce backward
     """
     layout = src if src is not None else dst
     if layout is None:
@@ -158,7 +158,7 @@ def output_conversion(
     Example::
 
         conv = output_conversion(mesh, (Partial(),), (Replicate(),), "Attention.output")
-        y = convert(y, conv)   # all-reduce forward, identity backward
+        y = convert(y, conv, (plan, "output"))   # all-reduce forward, identity backward
     """
     layout = src if src is not None else dst
     if layout is None:
@@ -200,13 +200,14 @@ def _run(moves: Sequence[Move], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_even(moves: Sequence[Move], x: torch.Tensor, where: str) -> None:
+def _check_even(moves: Sequence[Move], x: torch.Tensor, where: tuple[Any, str]) -> None:
     for kind, _, axis, dim, _, size, _, _ in moves:
         if kind in ("chunk", "reduce_scatter") and (
             not -x.ndim <= dim < x.ndim or x.shape[dim] % size
         ):
+            plan, name = where
             raise ValueError(
-                f"{where}: a plain local tensor of shape {tuple(x.shape)} cannot be split "
+                f"{plan.owner}: {name}: a plain local tensor of shape {tuple(x.shape)} cannot be split "
                 f"evenly on dim {dim} over mesh axis {axis} ({size} ranks) inside an outer "
                 "local_map region"
             )
@@ -227,12 +228,16 @@ class _Convert(torch.autograd.Function):
         return None, (_run(bwd, grad) if bwd else grad)
 
 
-def convert(x: torch.Tensor, conversion: Conversion, where: str) -> torch.Tensor:
+def convert(x: torch.Tensor, conversion: Conversion, where: tuple[Any, str]) -> torch.Tensor:
     """``x`` moved as ``conversion`` says, with the transposed moves on its gradient.
+
+    ``where`` is ``(the region's plan, the input's name)``, read only to name an error
+    (no string is built per call, and a compiled region does not specialise on it).
 
     Example::
 
-        y = convert(y, output_conversion(mesh, (Partial(),), (Replicate(),), "out"), "out")
+        conv = output_conversion(mesh, (Partial(),), (Replicate(),), "Mlp: output")
+        y = convert(y, conv, (plan, "output"))
     """
     key, moves_forward = conversion
     if moves_forward and not compiling:
