@@ -200,7 +200,7 @@ def _run(moves: Sequence[Move], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_even(moves: Sequence[Move], x: torch.Tensor, where: tuple[Any, str]) -> None:
+def _check_even(moves: Sequence[Move], x: torch.Tensor, where: tuple[Any, str | None]) -> None:
     for kind, _, axis, dim, _, size, _, _ in moves:
         if kind in ("chunk", "reduce_scatter") and (
             not -x.ndim <= dim < x.ndim or x.shape[dim] % size
@@ -228,7 +228,7 @@ class _Convert(torch.autograd.Function):
         return None, (_run(bwd, grad) if bwd else grad)
 
 
-def convert(x: torch.Tensor, conversion: Conversion, where: tuple[Any, str]) -> torch.Tensor:
+def convert(x: torch.Tensor, conversion: Conversion, where: tuple[Any, str | None]) -> torch.Tensor:
     """``x`` moved as ``conversion`` says, with the transposed moves on its gradient.
 
     ``where`` is ``(the region's plan, the input's name)``, read only to name an error
