@@ -345,3 +345,11 @@ def test_inner_region_refuses_what_no_plain_move_places(nested: list[dict[str, A
         assert errors["collectives"] == "0", errors  # refused before any collective
         assert "state_grad_placements['bias']" in errors["state_grad"], errors
         assert "['weight']" in errors["state_grad"], errors
+
+
+def test_state_grad_placements_round_trip_as_data() -> None:
+    config = LocalMapConfig(state_grad_placements={"weight": {TP: Partial()}})
+    data = config.to_dict()
+    assert data["state_grad_placements"] == {"weight": {"tp": "Partial(sum)"}}
+    assert LocalMapConfig.from_dict(data) == config
+    assert LocalMapConfig().state_grad_placements == {}
