@@ -319,29 +319,32 @@ class ForwardPlan:
         """
         names = self.positional_names
         n_names = len(names)
-        conversions = self._inner_inputs
-        new_args: list[Any] | None = None
+        conversions = self._inner_inputs  # the declarations, checked before any collective
+        todo: list[tuple[int | str, str, Any]] = []  # every input is checked before any moves
         for i, value in enumerate(args):
             if isinstance(value, torch.Tensor):
                 name = names[i] if i < n_names else None
-                if isinstance(value, DTensor):
+                if type(value) is DTensor or isinstance(value, DTensor):
                     self._refuse_dtensor_input(name if name is not None else f"args[{i}]")
                 conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
                 if conversion is not None:
-                    if new_args is None:
-                        new_args = list(args)
-                    new_args[i] = convert(value, conversion, (self, name))
-        if new_args is not None:
-            args = tuple(new_args)
+                    todo += ((i, cast("str", name), conversion),)
         if kwargs:
-            kwargs = dict(kwargs)
             for name, value in kwargs.items():
                 if isinstance(value, torch.Tensor):
-                    if isinstance(value, DTensor):
+                    if type(value) is DTensor or isinstance(value, DTensor):
                         self._refuse_dtensor_input(name)
                     conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
                     if conversion is not None:
-                        kwargs[name] = convert(value, conversion, (self, name))
+                        todo += ((name, name, conversion),)
+        if todo:
+            new_args, kwargs = list(args), dict(kwargs)
+            for key, name, conversion in todo:
+                if type(key) is int:
+                    new_args[key] = convert(new_args[key], conversion, (self, name))
+                else:
+                    kwargs[name] = convert(kwargs[name], conversion, (self, name))
+            args = tuple(new_args)
         if self.compile and not _nested.compiling:
             forward = _compiled_region(forward)
         slots = dtensor_states(module)
