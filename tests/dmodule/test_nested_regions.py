@@ -29,6 +29,7 @@ from hyper_parallel.dmodule import (
     ShardingConfig,
     compile_local_maps,
 )
+from hyper_parallel.dmodule.activation_checkpoint import apply_activation_checkpointing
 from hyper_parallel.dtensor import (
     CommDebugMode,
     DTensor,
@@ -190,12 +191,14 @@ def _nested_regions(world_size: int) -> dict[str, Any]:
         torch.manual_seed(0)
         source = Stack.Config(sp=sp).build()
         runs: dict[str, list[dict[str, Any]]] = {}
-        for kind in ("flat", "nested", "compiled"):
+        for kind in ("flat", "nested", "checkpointed", "compiled"):
             if kind == "compiled" and sp:
                 continue  # one compiled case (compiling is slow)
             model = Stack.Config(sp=sp, nested=kind != "flat").build()
             model.load_state_dict(source.state_dict())
             model.parallelize(mesh)
+            if kind == "checkpointed":  # inner regions alone, recomputed in backward
+                apply_activation_checkpointing([layer.mlp1 for layer in model.layers])
             if kind == "compiled":
                 for layer in model.layers:
                     compile_local_maps(layer)
@@ -297,7 +300,7 @@ def test_nested_regions_train_like_one_process_and_like_flat_regions(
 ) -> None:
     for result in nested:
         runs = result[f"runs_{sp}"]
-        kinds = [k for k in ("nested", "compiled") if k in runs]
+        kinds = [k for k in ("nested", "checkpointed", "compiled") if k in runs]
         for step, want in enumerate(runs["one"]):
             for kind in ("flat", *kinds):
                 got = runs[kind][step]

@@ -348,17 +348,16 @@ class ForwardPlan:
         if self.compile and not _nested.compiling:
             forward = _compiled_region(forward)
         slots = dtensor_states(module)
-        if not slots:
+        views = local_views(module, slots) if slots else ()
+        for (states, name, _), view in zip(slots, views, strict=True):
+            states[name] = view
+        _nested.depth += 1
+        try:
             outputs = forward(module, *args, **kwargs)
-        else:
-            views = local_views(module, slots)
-            for (states, name, _), view in zip(slots, views, strict=True):
-                states[name] = view
-            try:
-                outputs = forward(module, *args, **kwargs)
-            finally:
-                for states, name, state in slots:
-                    states[name] = state
+        finally:
+            _nested.depth -= 1
+            for states, name, state in slots:
+                states[name] = state
         return self._inner_outputs(outputs)
 
     @functools.cached_property
