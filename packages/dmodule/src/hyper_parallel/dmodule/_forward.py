@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
@@ -14,6 +14,13 @@ import torch
 
 from hyper_parallel.dmodule import _nested
 from hyper_parallel.dmodule._nested import convert, input_conversion, output_conversion
+from hyper_parallel.dmodule._output_layout import (
+    EveryOutput,
+    OutputLayout,
+    OutputMap,
+    OutputSequence,
+    resolve_output_layout,
+)
 from hyper_parallel.dmodule.local_map import (
     InputStep,
     OutputStep,
@@ -23,8 +30,6 @@ from hyper_parallel.dmodule.local_map import (
     local_states,
     local_views,
 )
-from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
-from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, enforce_layout
 from hyper_parallel.dtensor.parallel import check_plain_shard_input
 
@@ -69,72 +74,6 @@ def forward_signature(cls: type) -> tuple[tuple[str, ...], frozenset[str], bool]
         var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         cached = _forward_signatures[cls] = (positional, named, var_kw)
     return cached
-
-
-@dataclass(frozen=True)
-class EveryOutput:
-    """One layout for every tensor in the output, however nested."""
-
-    placements: Placements
-
-
-@dataclass(frozen=True)
-class OutputSequence:
-    """One layout (or ``None``: leave alone) per element of a tuple or list output."""
-
-    items: tuple[OutputLayout | None, ...]
-
-
-@dataclass(frozen=True)
-class OutputMap:
-    """One layout (or ``None``: leave alone) per key of a dict output."""
-
-    items: dict[str, OutputLayout | None]
-
-
-OutputLayout: TypeAlias = "EveryOutput | OutputSequence | OutputMap"
-
-
-def resolve_output_layout(
-    spec: OutputShardings, mesh_axis_names: Sequence[str], *, where: str
-) -> OutputLayout:
-    """Resolve ``out_src_shardings``/``out_dst_shardings`` against the mesh axes.
-
-    A mapping whose values are placements is one layout for every tensor output;
-    a tuple/list or a mapping of named placements (or ``None``) follows the output.
-
-    Example::
-
-        >>> from hyper_parallel.dtensor import Shard
-        >>> resolve_output_layout({"tp": Shard(0)}, ("tp",), where="Linear.out")
-        EveryOutput(placements=(Shard(dim=0),))
-    """
-    if is_named_placement(spec):
-        named = cast("NamedPlacement", spec)
-        return EveryOutput(tuple(resolve_placements(named, mesh_axis_names, where=where)))
-    if isinstance(spec, Mapping):
-        per_key = cast("Mapping[str, OutputShardings | None]", spec)
-        return OutputMap(
-            {
-                str(key): None
-                if item is None
-                else resolve_output_layout(item, mesh_axis_names, where=f"{where}[{key!r}]")
-                for key, item in per_key.items()
-            }
-        )
-    if isinstance(spec, (tuple, list)):
-        return OutputSequence(
-            tuple(
-                None
-                if item is None
-                else resolve_output_layout(item, mesh_axis_names, where=f"{where}[{i}]")
-                for i, item in enumerate(spec)
-            )
-        )
-    raise TypeError(
-        f"{where}: expected placements by mesh axis name (e.g. {{'tp': Shard(0)}}), or a "
-        f"tuple/list/dict of them matching the outputs, found {spec!r}"
-    )
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from hyper_parallel.dmodule.sharding import resolve_placements
+from hyper_parallel.dmodule._state_grads import declared_grad_layouts
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, collectives
 
 __all__ = ["local_states"]
@@ -135,7 +135,7 @@ def _local_views(
         else:
             return [entry.view for entry in kept]
     states = [state for _, _, state in slots]
-    grads = _declared_grad_layouts(module, slots)
+    grads = declared_grad_layouts(module, slots)
     views: Sequence[torch.Tensor] = _StatesLocal.apply(grads, *states) if states else ()
     _views[module] = [
         _View(state, shard, shard._version, state.requires_grad, view)
@@ -191,55 +191,6 @@ class _StatesLocal(torch.autograd.Function):
                 continue
             out += (DTensor(grad, known[1]),)
         return (None, *out)
-
-
-# module -> {(id of a state dict of its subtree, state name): [declared placements by axis
-# name, the mesh they were last resolved on, the resolved placements]}
-_grad_decls: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, str], list[Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _declared_grad_layouts(
-    module: torch.nn.Module, slots: Sequence[StateSlot]
-) -> list[Placements | None] | None:
-    """Each state's declared gradient placements (``local_map.state_grad_placements`` of the
-    module owning it, anywhere in ``module``'s subtree), ``None`` where undeclared; ``None``
-    when nothing in the subtree declares any."""
-    decls = _grad_decls.get(module)
-    if decls is None:
-        decls = _grad_decls[module] = _collect_grad_decls(module)
-    if not decls:
-        return None
-    out: list[Placements | None] = []
-    for states, name, state in slots:
-        found = decls.get((id(states), name))
-        if found is None:
-            out.append(None)
-            continue
-        if found[1] is not state.device_mesh:
-            names = state.device_mesh.mesh_dim_names or ()
-            where = f"local_map.state_grad_placements[{name!r}]"
-            found[1] = state.device_mesh
-            found[2] = tuple(resolve_placements(found[0], names, where=where))
-        out.append(found[2])
-    return out
-
-
-def _collect_grad_decls(module: torch.nn.Module) -> dict[tuple[int, str], list[Any]]:
-    decls: dict[tuple[int, str], list[Any]] = {}
-    for sub in module.modules():
-        config = getattr(sub, "sharding_config", None)
-        local_map = getattr(config, "local_map", None)
-        declared = getattr(local_map, "state_grad_placements", None)
-        if not declared:
-            continue
-        for path, named in declared.items():
-            owner_path, _, leaf = path.rpartition(".")
-            owner = sub.get_submodule(owner_path) if owner_path else sub
-            for states in (owner._parameters, owner._buffers):
-                decls[(id(states), leaf)] = [named, None, ()]
-    return decls
 
 
 def clear_local_views(module: torch.nn.Module | None = None) -> None:
