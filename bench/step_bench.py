@@ -47,6 +47,10 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ours_tp_api_no_overlap": "bench.ours.tp_api:build_hp_tp_step_no_overlap",
     "ours_compiled": "bench.ours.user_model:build_user_model_compiled_step",
     "ours_compiled_blocks": "bench.ours.user_model:build_user_model_compiled_blocks_step",
+    "ours_nested": "bench.ours.user_model:build_user_model_nested_step",
+    "ours_nested_compiled": "bench.ours.user_model:build_user_model_nested_compiled_step",
+    "ours_region": "bench.ours.user_model:build_user_model_region_step",
+    "ours_region_compiled": "bench.ours.user_model:build_user_model_region_compiled_step",
 }
 MEGATRON = "megatron"
 TORCH_TP = "torch_tp"

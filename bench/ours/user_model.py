@@ -10,6 +10,7 @@ Megatron baseline (a)). Nothing of the project's own layers is used.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,6 +32,10 @@ from hyper_parallel.dtensor import Partial, Replicate, Shard, init_device_mesh
 
 __all__ = [
     "build_user_model_compiled_blocks_step",
+    "build_user_model_nested_compiled_step",
+    "build_user_model_region_compiled_step",
+    "build_user_model_region_step",
+    "build_user_model_nested_step",
     "build_user_model_compiled_step",
     "build_user_model_step",
 ]
@@ -159,24 +164,47 @@ class Block(Module):
         return out
 
 
+class NestedBlock(Block):
+    """:class:`Block` as an outer ``local_map`` region: its norms, attention and MLP regions
+    run inside it on plain local tensors, and so do its residual adds (no DTensor between
+    them); the block crosses the DTensor boundary once each way."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Block.Config):
+        sharding_config = ShardingConfig(
+            in_dst_shardings={"x": REPLICATED},
+            out_src_shardings=REPLICATED,
+            local_map=LocalMapConfig(),
+        )
+
+
 class UserLlama(Module):
     """Embedding, blocks, final norm and output projection; embedding and output replicated."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         model: LlamaConfig
+        nested: bool = False  # each block an outer region of its regions (NestedBlock)
         sharding_config = ShardingConfig(
             state_shardings={"tok_embeddings.weight": REPLICATED, "output": REPLICATED},
             in_dst_shardings={"tokens": REPLICATED},  # the same token ids on every rank
         )
 
+    # The whole model one outer region: every block's regions inner, the embedding, the
+    # residual stream and the output projection plain; only the logits are a DTensor.
+    REGION = ShardingConfig(
+        state_shardings={"tok_embeddings.weight": REPLICATED, "output": REPLICATED},
+        in_dst_shardings={"tokens": REPLICATED},
+        out_src_shardings=REPLICATED,
+        local_map=LocalMapConfig(),
+    )
+
     def __init__(self, config: UserLlama.Config) -> None:
         super().__init__()
         cfg = config.model
         self.tok_embeddings = torch.nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = torch.nn.ModuleList(
-            Block.Config(model=cfg).build() for _ in range(cfg.n_layers)
-        )
+        block = NestedBlock.Config if config.nested else Block.Config
+        self.layers = torch.nn.ModuleList(block(model=cfg).build() for _ in range(cfg.n_layers))
         self.norm = Norm.Config(dim=cfg.dim, eps=cfg.norm_eps).build()
         self.output = _weight(cfg.vocab, cfg.dim)
 
@@ -191,12 +219,21 @@ class UserModelStep:
     """A train step of the parallelized user model (the bench's ``TrainStep``)."""
 
     def __init__(
-        self, cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+        self,
+        cfg: LlamaConfig,
+        full_weights: Mapping[str, torch.Tensor],
+        ctx: TPContext,
+        *,
+        nested: bool = False,
+        region: bool = False,
     ) -> None:
         cfg.check_tensor_parallel(ctx.world_size)
         mesh = init_device_mesh(ctx.device_type, (ctx.world_size,), mesh_dim_names=("tp",))
         with torch.device("meta"):
-            model = UserLlama.Config(model=cfg).build()
+            if region:
+                model = UserLlama.Config(model=cfg, sharding_config=UserLlama.REGION).build()
+            else:
+                model = UserLlama.Config(model=cfg, nested=nested).build()
         model.parallelize(mesh)
         model.to_empty(device=ctx.device_type)
         weights = {_our_name(name): w for name, w in full_weights.items()}
@@ -275,4 +312,61 @@ def build_user_model_compiled_blocks_step(
     for layer in step.model.layers:
         compile_local_maps(layer.attention)
         compile_local_maps(layer.feed_forward)
+    return step
+
+
+def build_user_model_nested_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(n): (e) with each block an outer region (:class:`NestedBlock`): its norms, attention
+    and MLP are inner regions on plain local tensors, with no DTensor between them.
+
+    Example:
+        >>> step = build_user_model_nested_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    return UserModelStep(cfg, full_weights, ctx, nested=True)
+
+
+def build_user_model_nested_compiled_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(n'): (n) with each whole block compiled (``compile_local_maps`` on the outer
+    regions only): one compiled region per block, its inner collectives traced into it.
+
+    Example:
+        >>> step = build_user_model_nested_compiled_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    step = UserModelStep(cfg, full_weights, ctx, nested=True)
+    for layer in step.model.layers:
+        plan = layer._hp_forward_plan
+        assert plan is not None
+        object.__setattr__(layer, "_hp_forward_plan", dataclasses.replace(plan, compile=True))
+    return step
+
+
+def build_user_model_region_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(m): (e) with the whole model one outer region: embedding, residual stream, norms and
+    output projection on plain local tensors, every block's regions inner; the logits
+    leave as a DTensor for the loss.
+
+    Example:
+        >>> step = build_user_model_region_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    return UserModelStep(cfg, full_weights, ctx, region=True)
+
+
+def build_user_model_region_compiled_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> UserModelStep:
+    """(m'): (m) compiled as one region (the model's forward, inner collectives traced).
+
+    Example:
+        >>> step = build_user_model_region_compiled_step(cfg, make_full_weights(cfg, 0), ctx)  # doctest: +SKIP
+    """
+    step = UserModelStep(cfg, full_weights, ctx, region=True)
+    plan = step.model._hp_forward_plan
+    assert plan is not None
+    object.__setattr__(step.model, "_hp_forward_plan", dataclasses.replace(plan, compile=True))
     return step

@@ -99,7 +99,11 @@ def test_placement_codec_writes_the_documented_strings() -> None:
         "in_dst_shardings": {"x": {"tp": "Shard(-1)"}},
         "out_src_shardings": [{"tp": "Partial(max)"}, None],
         "out_dst_shardings": {"logits": {"tp": "Shard(-1)"}, "aux": None},
-        "local_map": {"in_grad_placements": [{"tp": "Partial(sum)"}, None], "compile": False},
+        "local_map": {
+            "in_grad_placements": [{"tp": "Partial(sum)"}, None],
+            "compile": False,
+            "state_grad_placements": {},
+        },
     }
     assert ShardingConfig.from_dict(json.loads(json.dumps(data))) == sc
     assert LocalMapConfig.from_dict({"in_grad_placements": {"x": {"tp": "P"}}}) == LocalMapConfig(

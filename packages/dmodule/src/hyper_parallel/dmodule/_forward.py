@@ -5,21 +5,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
 import torch
 
+from hyper_parallel.dmodule import _nested
+from hyper_parallel.dmodule._nested import convert, input_conversion, output_conversion
+from hyper_parallel.dmodule._output_layout import (
+    EveryOutput,
+    OutputLayout,
+    OutputMap,
+    OutputSequence,
+    resolve_output_layout,
+)
 from hyper_parallel.dmodule.local_map import (
     InputStep,
     OutputStep,
+    dtensor_states,
     enter_local,
     exit_local,
     local_states,
+    local_views,
 )
-from hyper_parallel.dmodule.sharding import OutputShardings, resolve_placements
-from hyper_parallel.dmodule.types import NamedPlacement, is_named_placement
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Placement, Shard, enforce_layout
 from hyper_parallel.dtensor.parallel import check_plain_shard_input
 
@@ -67,72 +77,6 @@ def forward_signature(cls: type) -> tuple[tuple[str, ...], frozenset[str], bool]
 
 
 @dataclass(frozen=True)
-class EveryOutput:
-    """One layout for every tensor in the output, however nested."""
-
-    placements: Placements
-
-
-@dataclass(frozen=True)
-class OutputSequence:
-    """One layout (or ``None``: leave alone) per element of a tuple or list output."""
-
-    items: tuple[OutputLayout | None, ...]
-
-
-@dataclass(frozen=True)
-class OutputMap:
-    """One layout (or ``None``: leave alone) per key of a dict output."""
-
-    items: dict[str, OutputLayout | None]
-
-
-OutputLayout: TypeAlias = "EveryOutput | OutputSequence | OutputMap"
-
-
-def resolve_output_layout(
-    spec: OutputShardings, mesh_axis_names: Sequence[str], *, where: str
-) -> OutputLayout:
-    """Resolve ``out_src_shardings``/``out_dst_shardings`` against the mesh axes.
-
-    A mapping whose values are placements is one layout for every tensor output;
-    a tuple/list or a mapping of named placements (or ``None``) follows the output.
-
-    Example::
-
-        >>> from hyper_parallel.dtensor import Shard
-        >>> resolve_output_layout({"tp": Shard(0)}, ("tp",), where="Linear.out")
-        EveryOutput(placements=(Shard(dim=0),))
-    """
-    if is_named_placement(spec):
-        named = cast("NamedPlacement", spec)
-        return EveryOutput(tuple(resolve_placements(named, mesh_axis_names, where=where)))
-    if isinstance(spec, Mapping):
-        per_key = cast("Mapping[str, OutputShardings | None]", spec)
-        return OutputMap(
-            {
-                str(key): None
-                if item is None
-                else resolve_output_layout(item, mesh_axis_names, where=f"{where}[{key!r}]")
-                for key, item in per_key.items()
-            }
-        )
-    if isinstance(spec, (tuple, list)):
-        return OutputSequence(
-            tuple(
-                None
-                if item is None
-                else resolve_output_layout(item, mesh_axis_names, where=f"{where}[{i}]")
-                for i, item in enumerate(spec)
-            )
-        )
-    raise TypeError(
-        f"{where}: expected placements by mesh axis name (e.g. {{'tp': Shard(0)}}), or a "
-        f"tuple/list/dict of them matching the outputs, found {spec!r}"
-    )
-
-
-@dataclass(frozen=True)
 class ForwardPlan:
     """Everything a parallelized forward needs, resolved once by ``parallelize``.
 
@@ -162,6 +106,8 @@ class ForwardPlan:
         """Wrap plain inputs (``in_src``), redistribute (``in_dst``), go local (local_map)."""
         if not (self.in_src or self.in_dst or self.local_map):
             return args, kwargs
+        if _nested.depth:
+            self._refuse_inside_region("in_src_shardings/in_dst_shardings")
         names = self.positional_names
         new_args = tuple(
             self._prepare_input(names[i] if i < len(names) else None, value)
@@ -236,12 +182,19 @@ class ForwardPlan:
         collectives are those of the unfused path (``prepare_inputs``, ``local_states``,
         ``finish_outputs``), which runs when autograd does not record.
         """
+        if _nested.depth:  # called by a region's forward: an inner region, on plain tensors
+            return self.call_inner(module, forward, args, kwargs)
         if self.compile:
-            forward = compiled(forward)
+            _warm_inner_regions(module)
+            forward = _compiled_region(forward)
         if not torch.is_grad_enabled():
             args, kwargs = self.prepare_inputs(args, kwargs)
             with local_states(module):
-                outputs = forward(module, *args, **kwargs)
+                _nested.depth += 1
+                try:
+                    outputs = forward(module, *args, **kwargs)
+                finally:
+                    _nested.depth -= 1
             return self.finish_outputs(outputs)
         # Every call runs this: loops over the arguments and states are written so that
         # they make no Python call per item (exact-type checks first, no list methods).
@@ -279,12 +232,125 @@ class ForwardPlan:
             args = tuple(new_args)
         for (states, name, _), view in zip(slots, views, strict=True):  # swap_in, inline
             states[name] = view
+        _nested.depth += 1
         try:
             outputs = forward(module, *args, **kwargs)
         finally:
+            _nested.depth -= 1
             for states, name, state in slots:  # swap_back, inline
                 states[name] = state
         return self._finish_local(outputs)
+
+    # -- a local_map call inside another one (an inner region) ---------------------------
+    def call_inner(
+        self,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``forward`` on the plain local inputs an outer region's forward passes.
+
+        No DTensor is built: each declared input and output is moved by
+        :func:`~hyper_parallel.dmodule._nested.convert` (the boundary's collectives on the
+        local tensor, their transposes on its gradient). States the outer region did not
+        swap (a module outside its subtree) are taken local here, one node for all.
+        """
+        names = self.positional_names
+        n_names = len(names)
+        conversions = self._inner_inputs  # the declarations, checked before any collective
+        todo: list[tuple[int | str, str, Any]] = []  # every input is checked before any moves
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                name = names[i] if i < n_names else None
+                if type(value) is DTensor or isinstance(value, DTensor):
+                    self._refuse_dtensor_input(name if name is not None else f"args[{i}]")
+                conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
+                if conversion is not None:
+                    todo += ((i, cast("str", name), conversion),)
+        if kwargs:
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    if type(value) is DTensor or isinstance(value, DTensor):
+                        self._refuse_dtensor_input(name)
+                    conversion = conversions[name] if name in conversions else None  # noqa: SIM401 (no call)
+                    if conversion is not None:
+                        todo += ((name, name, conversion),)
+        if todo:
+            new_args, kwargs = list(args), dict(kwargs)
+            for key, name, conversion in todo:
+                if type(key) is int:
+                    new_args[key] = convert(new_args[key], conversion, (self, name))
+                else:
+                    kwargs[name] = convert(kwargs[name], conversion, (self, name))
+            args = tuple(new_args)
+        if self.compile and not _nested.compiling:
+            forward = _compiled_region(forward)
+        slots = dtensor_states(module)
+        views = local_views(module, slots) if slots else ()
+        for (states, name, _), view in zip(slots, views, strict=True):
+            states[name] = view
+        _nested.depth += 1
+        try:
+            outputs = forward(module, *args, **kwargs)
+        finally:
+            _nested.depth -= 1
+            for states, name, state in slots:
+                states[name] = state
+        return self._inner_outputs(outputs)
+
+    @functools.cached_property
+    def _inner_inputs(self) -> dict[str | None, Any]:
+        """Each declared input's conversion in an inner region (validated once, on first use)."""
+        return {
+            name: input_conversion(self.mesh, src, dst, grad, f"{self.owner}: input {name!r}")
+            for name, (src, dst, grad) in self._input_io.items()
+        }
+
+    @functools.cached_property
+    def _inner_every_output(self) -> tuple[bool, Any]:
+        """``(True, conversion)`` when one layout covers every output, else ``(False, None)``."""
+        src, dst = self.out_src, self.out_dst
+        if (src is None or type(src) is EveryOutput) and (dst is None or type(dst) is EveryOutput):
+            src_p = src.placements if src is not None else None
+            dst_p = dst.placements if dst is not None else None
+            where = f"{self.owner}: output"
+            return True, output_conversion(self.mesh, src_p, dst_p, where)
+        return False, None
+
+    def _inner_outputs(self, outputs: Any) -> Any:
+        if self.out_src is None and self.out_dst is None:
+            return outputs
+        every, conversion = self._inner_every_output
+        if every and type(outputs) is torch.Tensor:
+            return outputs if conversion is None else convert(outputs, conversion, (self, "output"))
+
+        def leaf(value: torch.Tensor, src: Placements | None, dst: Placements | None) -> Any:
+            if isinstance(value, DTensor):
+                raise TypeError(
+                    f"{self.owner}: forward returned a DTensor inside an outer local_map "
+                    "region, where its outputs are plain local tensors"
+                )
+            found = output_conversion(self.mesh, src, dst, f"{self.owner}: output")
+            return value if found is None else convert(value, found, (self, "output"))
+
+        return self._finish(outputs, self.out_src, self.out_dst, "output", leaf)
+
+    def _refuse_dtensor_input(self, name: str) -> None:
+        raise TypeError(
+            f"{self.owner}: input {name!r} is a DTensor, but this local_map region is called "
+            "inside another local_map region's forward, where values are plain local "
+            "tensors; pass its local tensor (laid out as in_src_shardings/in_dst_shardings "
+            "declare) or call the region outside the outer one"
+        )
+
+    def _refuse_inside_region(self, what: str) -> None:
+        raise TypeError(
+            f"{self.owner}: declares {what} without local_map but is called inside a "
+            "local_map region's forward, where values are plain local tensors and no "
+            "DTensor is built; give it local_map=LocalMapConfig(...) (an inner region) or "
+            "call it outside the outer region"
+        )
 
     @functools.cached_property
     def _input_io(self) -> dict[str | None, tuple[Placements | None, ...]]:
@@ -331,6 +397,8 @@ class ForwardPlan:
         """Wrap plain outputs (``out_src``) and redistribute them (``out_dst``)."""
         if self.out_src is None and self.out_dst is None:
             return outputs
+        if _nested.depth:
+            self._refuse_inside_region("out_src_shardings/out_dst_shardings")
         return self._finish(outputs, self.out_src, self.out_dst, "output", self._finish_tensor)
 
     def _finish(
@@ -463,6 +531,36 @@ def _fill(value: Any, finished: Sequence[torch.Tensor]) -> Any:
     return value
 
 
+def _compiled_region(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled(forward)``, run with ``_nested.compiling`` set: the inner regions it calls
+    move their tensors with collectives dynamo traces."""
+    run = compiled(forward)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = _nested.compiling
+        _nested.compiling = True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _nested.compiling = before
+
+    return call
+
+
+def _warm_inner_regions(module: torch.nn.Module) -> None:
+    """Resolve the inner regions' conversions (groups, ranks) before a compiled outer
+    forward traces them: dynamo does not trace hp-dtensor's mesh code."""
+    if module in _warmed:
+        return
+    for sub in module.modules():
+        plan = getattr(sub, "_hp_forward_plan", None)
+        if isinstance(plan, ForwardPlan) and plan.local_map and sub is not module:
+            plan._inner_inputs  # noqa: B018 (a cached property, computed here)
+            plan._inner_every_output  # noqa: B018
+    _warmed.add(module)
+
+
+_warmed: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 

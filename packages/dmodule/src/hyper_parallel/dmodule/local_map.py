@@ -36,6 +36,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from hyper_parallel.dmodule._state_grads import declared_grad_layouts
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, collectives
 
 __all__ = ["local_states"]
@@ -134,7 +135,8 @@ def _local_views(
         else:
             return [entry.view for entry in kept]
     states = [state for _, _, state in slots]
-    views: Sequence[torch.Tensor] = _StatesLocal.apply(*states) if states else ()
+    grads = declared_grad_layouts(module, slots)
+    views: Sequence[torch.Tensor] = _StatesLocal.apply(grads, *states) if states else ()
     _views[module] = [
         _View(state, shard, shard._version, state.requires_grad, view)
         for state, shard, view in zip(states, shards, views, strict=True)
@@ -151,8 +153,15 @@ class _StatesLocal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, *states: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, grads: Sequence[Placements | None] | None, *states: DTensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.layouts = [(s.device_mesh, s.placements, tuple(s.shape)) for s in states]
+        if grads is not None:  # declared gradient layouts (local_map.state_grad_placements)
+            ctx.layouts = [
+                (mesh, placements if grad is None else grad, shape)
+                for (mesh, placements, shape), grad in zip(ctx.layouts, grads, strict=True)
+            ]
         # each gradient's spec, once known: the node is kept (with the views) across steps
         ctx.grad_specs = [None] * len(states)
         views = []
@@ -181,7 +190,7 @@ class _StatesLocal(torch.autograd.Function):
                 out += (dt,)
                 continue
             out += (DTensor(grad, known[1]),)
-        return tuple(out)
+        return (None, *out)
 
 
 def clear_local_views(module: torch.nn.Module | None = None) -> None:
@@ -546,6 +555,19 @@ def enter_local(
         with torch.no_grad():
             shards += [state.to_local() for state in states]
     return local_inputs, slots, _local_views(module, slots, shards)
+
+
+def local_views(module: torch.nn.Module, slots: Sequence[StateSlot]) -> list[torch.Tensor]:
+    """The states' local views (one node for all, kept while unchanged), no input moved.
+
+    Example::
+
+        slots = dtensor_states(block)
+        views = local_views(block, slots)
+    """
+    with torch.no_grad():
+        shards = [state.to_local() for _, _, state in slots]
+    return _local_views(module, slots, shards)
 
 
 def exit_local(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -166,7 +166,8 @@ def plan_parallelize(
             )
             continue
         inside = [root for root in local_map_roots if _is_within(path, root)]
-        if inside and _has_io_shardings(sc):
+        if inside and _has_io_shardings(sc) and sc.local_map is None:
+            # a local_map block inside one is an inner region (plain tensors both sides)
             planner.problems.append(
                 f"{label}: declares input/output shardings but runs inside the local_map "
                 f"block {inside[-1]!r}, whose forward sees local tensors only"
@@ -177,6 +178,8 @@ def plan_parallelize(
             found = check({state.name: (state.mesh, state.placements) for state in plan.states})
             planner.problems.extend(f"{label}: {problem}" for problem in found)
         plan.forward = planner.plan_forward(sub, path, sc)
+        if sc.local_map is not None and sc.local_map.state_grad_placements:
+            planner.problems.extend(_state_grad_problems(label, sc, planner.axes))
         if sc.local_map is not None:
             local_map_roots.append(path)
     return plans, planner.problems
@@ -475,6 +478,25 @@ class _Planner:
             compile=sc.local_map is not None and sc.local_map.compile,
             in_features=_linear_input_features(module, positional),
         )
+
+
+def _state_grad_problems(label: str, sc: ShardingConfig, axes: Sequence[str]) -> list[str]:
+    """``local_map.state_grad_placements`` names declared states, with valid placements."""
+    assert sc.local_map is not None
+    problems = []
+    for name, named in sc.local_map.state_grad_placements.items():
+        where = f"{label}: local_map.state_grad_placements[{name!r}]"
+        if name not in sc.state_shardings:
+            problems.append(
+                f"{where}: not a state of state_shardings; its states are "
+                f"{sorted(sc.state_shardings)}"
+            )
+            continue
+        try:
+            resolve_placements(named, axes, where=where)
+        except (TypeError, ValueError) as error:
+            problems.append(str(error))
+    return problems
 
 
 def _named_axes(spec: object) -> list[object]:

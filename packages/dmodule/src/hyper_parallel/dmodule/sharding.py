@@ -70,6 +70,11 @@ class LocalMapConfig(_DictData):
     dict by argument name. Declare ``Partial()`` for an input whose local gradient is a
     partial sum, e.g. the input of a column-parallel block that is replicated over ``tp``.
 
+    ``state_grad_placements`` does the same for states (an addition here): a state path
+    -> the placements of its local gradient when they are not the state's own, e.g.
+    ``{"weight": {tp: Partial()}}`` for a replicated norm weight applied to sequence
+    shards; the gradient is then reduced once, where it accumulates on the parameter.
+
     Example::
 
         >>> from hyper_parallel.dtensor import Partial
@@ -79,6 +84,10 @@ class LocalMapConfig(_DictData):
 
     in_grad_placements: GradPlacements = ()
     compile: bool = False
+    # state path -> the layout of its local gradient, when not the state's own: e.g.
+    # ``{"weight": {tp: Partial()}}`` for a replicated norm weight used on sequence shards
+    # (each rank's gradient sums its own tokens; it is reduced once, where it accumulates)
+    state_grad_placements: dict[str, NamedPlacement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.in_grad_placements, list):  # upstream's annotation is a tuple
