@@ -49,7 +49,7 @@ def leaf_grad_placements(
 
     Example::
 
-        >>> from hyper_parallel.dtensor.placement_types import Replicate, Shard
+        >>> from hyper_parallel.dtensor.placement_types import Partial, Replicate, Shard
         >>> leaf_grad_placements((Replicate(), Shard(0)), (Partial(), Partial()))
         (Partial(reduce_op='sum'), Shard(dim=0))
     """
