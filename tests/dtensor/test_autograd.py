@@ -69,26 +69,27 @@ def _leaf_gradients(world_size: int) -> list[str]:
     # An explicit Replicate seed, so the counts below are the gradient's own collectives.
     seed = DTensor.from_local(torch.ones(()), mesh, [Replicate()])
 
-    # 1. a Replicate weight times a Shard(0) activation: the Partial gradient is all-reduced
+    # 1. a Replicate weight times a Shard(0) activation: the gradient stays Partial, as
+    # torch leaves it (no collective in the backward); its sum over the ranks is the oracle's
     w = distribute_tensor(w_full, mesh, [Replicate()]).requires_grad_()
     x = distribute_tensor(x_full, mesh, [Shard(0)])
     loss = torch.mm(x, w).sum()
-    with _Collectives() as comms:  # backward only: one all-reduce of the Partial gradient
+    with _Collectives() as comms:
         torch.autograd.backward(loss, seed)
     w_oracle = w_full.clone().requires_grad_()
     torch.autograd.backward(torch.mm(x_full, w_oracle).sum())
     assert w_oracle.grad is not None
-    if not isinstance(w.grad, DTensor) or w.grad.placements != (Replicate(),):
+    left = (Partial(),) if world_size > 1 else (Replicate(),)  # one rank: nothing to sum
+    if not isinstance(w.grad, DTensor) or w.grad.placements != left:
         failures.append(
             f"replicated weight: .grad is {type(w.grad).__name__} {getattr(w.grad, 'placements', None)}"
         )
-    elif not torch.equal(w.grad.to_local(), w_oracle.grad):
+    elif not torch.equal(w.grad.full_tensor(), w_oracle.grad):
         failures.append(
-            f"replicated weight: grad {w.grad.to_local().tolist()} != {w_oracle.grad.tolist()}"
+            f"replicated weight: grad {w.grad.full_tensor().tolist()} != {w_oracle.grad.tolist()}"
         )
-    expected_reduce = ["all_reduce"] if world_size > 1 else []
-    if comms.kinds != expected_reduce:
-        failures.append(f"replicated weight: backward collectives {comms.kinds}")
+    if comms.kinds:
+        failures.append(f"replicated weight: backward collectives {comms.kinds}, expected none")
 
     # 2. a Shard(0) weight whose gradient arrives Replicate ends Shard(0), by a free slice
     v = distribute_tensor(x_full, mesh, [Shard(0)], src_data_rank=None).requires_grad_()
@@ -138,14 +139,15 @@ def _leaf_gradients(world_size: int) -> list[str]:
         or not torch.equal(t_grad.to_local(), 2 * matching.to_local())
     ):
         failures.append(f"matching layout: collectives {comms.kinds}, grad {t.grad}")
-    p = distribute_tensor(w_full, mesh, [Replicate()]).requires_grad_().requires_grad_()
-    loss = torch.mm(x, p).sum()
-    with _Collectives() as comms:
-        torch.autograd.backward(loss, seed)
-    if comms.kinds != expected_reduce:
+    p = distribute_tensor(w_full, mesh, [Shard(1)]).requires_grad_().requires_grad_()
+    with _Collectives() as comms:  # a Partial gradient into a Shard leaf: one reduce-scatter
+        torch.autograd.backward(p, DTensor.from_local(torch.ones(3, 2), mesh, [Partial()]))
+    if comms.kinds != (["reduce_scatter"] if world_size > 1 else []):
         failures.append(f"requires_grad_ twice: backward collectives {comms.kinds} (hook twice?)")
 
-    # 5. nn.Parameter(dt) keeps the hook; it survives load_state_dict and optimizer steps
+    # 5. nn.Parameter(dt) keeps the hook; it survives load_state_dict and optimizer steps,
+    # and the step reduces the Partial gradient (once, in place of .grad) before reading it
+    expected_reduce = ["all_reduce"] if world_size > 1 else []
     linear = torch.nn.Linear(3, 2, bias=False)
     linear.weight = torch.nn.Parameter(
         distribute_tensor(w_full.t().contiguous(), mesh, [Replicate()])
@@ -161,11 +163,15 @@ def _leaf_gradients(world_size: int) -> list[str]:
         torch.autograd.backward(linear(x).sum())
         torch.autograd.backward(oracle(x_full).sum())
         grad = linear.weight.grad
-        if not isinstance(grad, DTensor) or grad.placements != (Replicate(),):
+        if not isinstance(grad, DTensor) or grad.placements != left:
             failures.append(f"nn.Parameter: grad placements {getattr(grad, 'placements', None)}")
             break
-        optimizer.step()
+        with _Collectives() as comms:  # the step reduces the Partial gradient once, in place
+            optimizer.step()
         oracle_optimizer.step()
+        grad = linear.weight.grad
+        if comms.kinds != expected_reduce or getattr(grad, "placements", None) != (Replicate(),):
+            failures.append(f"nn.Parameter: step collectives {comms.kinds}, grad {grad}")
     weight = linear.weight
     assert isinstance(weight, DTensor)
     if not torch.equal(weight.full_tensor(), oracle.weight.detach()):
@@ -175,7 +181,7 @@ def _leaf_gradients(world_size: int) -> list[str]:
 
 @world_sizes(1, 2, 4)
 def test_leaf_gradients_carry_the_leaf_layout(world_size: int) -> None:
-    """Replicate weight x Shard activation -> Replicate .grad equal to the oracle; and friends."""
+    """Replicate weight x Shard activation -> Partial .grad (as torch) summing to the oracle; and friends."""
     results = run_on_ranks(_leaf_gradients, world_size, world_size, timeout_s=180)
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}: " + "\n".join(failures)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import hyper_parallel.dtensor as hp_dt
+import hyper_parallel.dtensor.fsdp as hp_fsdp
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -50,6 +51,48 @@ def _stepped(api: Api, shape: tuple[int, ...], mode: str, seed: int) -> nn.Modul
     opt.step()
     opt.zero_grad()
     return model
+
+
+def _sequence_parallel_norm_under_fsdp() -> dict[str, Any]:
+    """A LayerNorm under SequenceParallel on tp, fully sharded over dp: two AdamW steps.
+
+    Its weight and bias are Replicate on tp, so their gradients are Partial on tp; FSDP
+    reduce-scatters them over dp and all-reduces the chunks over tp after that. Returns the
+    parameters after each step (hp and one process on the global batch) and the tp
+    collectives of the first backward.
+    """
+    torch.manual_seed(11)
+    norm = nn.LayerNorm(8)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_()
+    one = nn.LayerNorm(8)
+    one.load_state_dict(norm.state_dict())
+    mesh = hp_dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    hp_dt.parallel.parallelize_module(
+        norm, mesh["tp"], hp_dt.parallel.SequenceParallel(sequence_dim=0)
+    )
+    hp_fsdp.fully_shard(norm, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(norm.parameters(), lr=0.1)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(12)
+    rows = slice(4 * mesh.get_local_rank("dp") + 2 * mesh.get_local_rank("tp"), None)
+    out: dict[str, Any] = {"params": [], "one": []}
+    for step in range(2):
+        x, target = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        mine = hp_dt.DTensor.from_local(target[rows][:2], mesh["tp"], [hp_dt.Shard(0)])
+        with hp_dt.CommDebugMode() as comm:
+            (norm(x[rows][:2].clone()) * mine).sum().backward()  # type: ignore[no-untyped-call]
+        if step == 0:
+            out["tp"] = [(r.kind, r.nbytes) for r in comm.records() if r.mesh_axis == "tp"]
+        opt.step()
+        opt.zero_grad()
+        ((one(x) * target).sum() / 2).backward()  # type: ignore[no-untyped-call]  # FSDP: dp mean
+        one_opt.step()
+        one_opt.zero_grad()
+        out["params"].append(_full(norm))
+        out["one"].append({n: p.detach().clone() for n, p in one.named_parameters()})
+    return out
 
 
 def _state_on_four_ranks(root: str) -> dict[str, Any]:
@@ -127,6 +170,7 @@ def _state_on_four_ranks(root: str) -> dict[str, Any]:
     }
     # the initialised model trains: one more forward/backward runs without error
     meta(xs[0, :per]).sum().backward()
+    out["sp_norm"] = _sequence_parallel_norm_under_fsdp()
     return out
 
 
@@ -147,3 +191,10 @@ def test_clip_dcp_resharding_torch_interop_and_meta_init_on_four_ranks(tmp_path:
             assert torch.equal(got["meta_init"][n], p), (what, "meta init", n)
         for n, (have, local) in got["meta_bytes"].items():
             assert have == local, (what, n, have, local)
+        sp = got["sp_norm"]
+        for step, (mine, one) in enumerate(zip(sp["params"], sp["one"], strict=True)):
+            for n, p in one.items():
+                assert_close_to_scale(mine[n], p, what=f"{what} SP norm {n}, step {step}")
+        # one all-reduce over tp in the backward, of the dp chunks (4 of 8 values) of the
+        # weight's and the bias's gradients together (not of the whole gradients, one each)
+        assert sp["tp"] == [("all_reduce", 2 * 4 * 4)], (what, sp["tp"])

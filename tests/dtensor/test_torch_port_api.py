@@ -150,7 +150,8 @@ def _dtensor_api(side: Side) -> dict[str, Any]:
     out["to_local grad hint"] = {
         "value": full(rep.grad),
         "want": torch.full_like(_X, sum(range(1, n + 1))),
-        "grad_layout": layout(rep.grad),
+        "grad_layout": layout(rep.grad),  # Partial, as torch: no collective in the backward
+        "backward": backward,
     }
     # implicit replication: a plain tensor joins an op on a DTensor as Replicate
     sharded = side.distribute(_X.clone(), [S(0)])
@@ -223,11 +224,7 @@ def _init(side: Side) -> dict[str, Any]:
 
 
 # README, "Differences from torch": what hp-dtensor gives there
-DIFFERENT: dict[tuple[str, str], Any] = {
-    # "gradient of a leaf": the Partial gradient the hint asks for is reduced to the
-    # leaf's Replicate layout (torch leaves it Partial)
-    ("to_local grad hint", "grad_layout"): (("R",),),
-}
+DIFFERENT: dict[tuple[str, str], Any] = {}
 
 
 # torch raises for these (no sharding rule); hp's values are checked alone

@@ -55,6 +55,63 @@ def _layer_norm(side: Side) -> dict[str, Any]:
     }
 
 
+def _layer_norm_steps(side: Side) -> dict[str, Any]:
+    """Two AdamW steps of a layer norm's replicated weight and bias on batch shards.
+
+    Step 1 accumulates the gradients of two microbatches; step 2 clips their norm first
+    (hp's ``clip_grad_norm_``, torch's ``torch.nn.utils.clip_grad_norm_``). Each side's
+    collectives are counted per backward, clip and step; values against one process.
+    """
+    microbatches = [(_X, _TARGET), (_TARGET * 1.5 - 0.25, _X.flip(0))]
+    params = [torch.nn.Parameter(side.distribute(t.clone(), [side.Replicate()])) for t in (_W, _B)]
+    ref = [torch.nn.Parameter(t.clone()) for t in (_W, _B)]
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, foreach=True)
+    ref_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, foreach=True)
+    clip: Callable[..., torch.Tensor] = (
+        side.module.clip_grad_norm_ if side.name == "hp" else torch.nn.utils.clip_grad_norm_
+    )
+    out: dict[str, Any] = {"backward": []}
+
+    def backward(x: torch.Tensor, target: torch.Tensor) -> None:
+        x_dt, t_dt = (side.distribute(v.clone(), [side.Shard(0)]) for v in (x, target))
+        with side.comm() as comms:
+            y = F.layer_norm(x_dt, (6,), params[0], params[1])
+            torch.autograd.backward((y * t_dt).sum())
+        out["backward"].append(comms)
+        torch.autograd.backward((F.layer_norm(x, (6,), ref[0], ref[1]) * target).sum())
+
+    for x, target in microbatches:
+        backward(x, target)
+    out["accumulated grads"] = layout([p.grad for p in params])
+    out["accumulated close"] = all(
+        r.grad is not None and close(full(p.grad), r.grad) for p, r in zip(params, ref, strict=True)
+    )
+    with side.comm() as comms:
+        opt.step()
+    out["step 1"] = comms
+    out["stepped grads"] = layout([p.grad for p in params])
+    ref_opt.step()
+    out["step 1 close"] = all(
+        close(full(p).detach(), r.detach()) for p, r in zip(params, ref, strict=True)
+    )
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    backward(*microbatches[1])
+    with side.comm() as comms:
+        norm = clip(params, 0.5)
+    out["clip"] = comms
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    out["norm close"] = close(full(norm), want) and bool(want > 0.5)
+    with side.comm() as comms:
+        opt.step()
+    out["step 2"] = comms
+    ref_opt.step()
+    out["step 2 close"] = all(
+        close(full(p).detach(), r.detach()) for p, r in zip(params, ref, strict=True)
+    )
+    return out
+
+
 def _nll_outside_loss_parallel(side: Side) -> dict[str, Any]:
     """``nll_loss(log_softmax(x))`` of class-sharded logits without ``loss_parallel()``."""
     out: dict[str, Any] = {}
@@ -237,6 +294,7 @@ def _both() -> dict[str, Any]:
     for side in sides((4,)):
         out[side.name] = {
             "layer_norm": _layer_norm(side),
+            "layer_norm steps": _layer_norm_steps(side),
             "nll": _nll_outside_loss_parallel(side),
             "cross_entropy": _cross_entropy_of_batch_shards(side),
             "batch_norm": _batch_norm(side),
@@ -251,16 +309,29 @@ def test_norms_losses_and_foreach_like_torch() -> None:
     for got in run_on_ranks(_both, 4, timeout_s=240.0):
         ours, theirs = got["hp"], got["torch"]
 
-        # layer norm, batch-sharded (README: "gradient of a leaf"): torch leaves the
-        # weight and bias gradients Partial (no collective); hp reduces them to the
-        # parameters' Replicate layout, one all-reduce each, so an optimizer sees them whole.
+        # layer norm, batch-sharded: as torch, the backward issues no collective and leaves
+        # the weight and bias gradients Partial
         ln, ln_t = ours["layer_norm"], theirs["layer_norm"]
         assert ln["close"] and ln_t["close"], (ln, ln_t)
         assert ln["layout"] == ln_t["layout"] == (("S", 0),)
         assert ln["forward"] == ln_t["forward"] == {}
-        assert ln_t["backward"] == {} and ln["backward"] == {"all_reduce": 2}, (ln, ln_t)
+        assert ln["backward"] == ln_t["backward"] == {}, (ln, ln_t)
+        assert ln["grad_layouts"] == ln_t["grad_layouts"]
         assert ln_t["grad_layouts"] == [(("S", 0),), (("P", "sum"),), (("P", "sum"),)]
-        assert ln["grad_layouts"] == [(("S", 0),), (("R",),), (("R",),)]
+
+        # ... and two microbatches accumulate them locally (Partial + Partial). hp reduces
+        # them once per step, both in one flat all-reduce, in place of .grad (the step's
+        # pre-hook, or clip_grad_norm_ when it comes first); torch's foreach AdamW
+        # all-reduces them in the ops that read them. Values: one process's, on both sides.
+        st, st_t = ours["layer_norm steps"], theirs["layer_norm steps"]
+        for key in ("accumulated close", "step 1 close", "norm close", "step 2 close"):
+            assert st[key] and st_t[key], (key, st, st_t)
+        assert st["backward"] == st_t["backward"] == [{}, {}, {}], (st, st_t)
+        assert st["accumulated grads"] == st_t["accumulated grads"] == [(("P", "sum"),)] * 2
+        assert st["step 1"] == {"all_reduce": 1}, st
+        assert st_t["step 1"].get("all_reduce", 0) > 2, st_t
+        assert st["stepped grads"] == [(("R",),)] * 2, st
+        assert st["clip"] == {"all_reduce": 1} and st["step 2"] == {}, st
 
         # nll_loss of class-sharded log-probabilities outside loss_parallel (README):
         # torch all-gathers the logits (Replicate loss); hp keeps them sharded (the
@@ -316,11 +387,14 @@ def test_norms_losses_and_foreach_like_torch() -> None:
             if case.endswith("train"):
                 assert mine["forward"] == {"all_reduce": 2}, (case, mine)
                 assert mine["backward"] == {"all_reduce": 1}, (case, mine)
+                # the weight and bias gradients come from the all-reduced channel sums
+                grads = [(("S", dim),), (("R",),), (("R",),)]
             else:
                 assert mine["forward"] == {}, (case, mine)
-                # the weight and bias gradients are local sums, reduced to the leaf's layout
-                assert mine["backward"] == {"all_reduce": 2}, (case, mine)
-            assert mine["grad_layouts"] == [(("S", dim),), (("R",),), (("R",),)], (case, mine)
+                assert mine["backward"] == {}, (case, mine)
+                # local sums, left Partial (as torch leaves the gradient of a Replicate leaf)
+                grads = [(("S", dim),), (("P", "sum"),), (("P", "sum"),)]
+            assert mine["grad_layouts"] == grads, (case, mine)
 
         # on a (dp, tp) mesh: statistics reduced over dp only, channels local on tp
         bn2, bn2_t = ours["batch_norm 2-d"], theirs["batch_norm 2-d"]

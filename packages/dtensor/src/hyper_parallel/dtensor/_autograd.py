@@ -7,7 +7,8 @@ incoming gradients out like itself. The gradient rules are torch DTensor's:
 * the gradient of a redistribute input is laid out like the input, except that a
   gradient which is not Partial is not turned back into Partial (it stays Replicate);
 * the gradient of a leaf has the leaf's placements with Partial made Replicate, except
-  that a Partial gradient of a Partial leaf stays Partial (torch's Partial -> Partial);
+  that a Partial gradient stays Partial where the leaf is Replicate or that same Partial
+  (torch leaves both; ``_partial_grads`` reduces it once, before an optimizer reads it);
 * the gradient of ``from_local``'s input is the local part of the leaf layout, Partial
   made Replicate.
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._partial_grads import leaf_grad_placements, note_partial_grad
 from hyper_parallel.dtensor._redistribute import redistribute_local
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
@@ -85,12 +87,11 @@ def _leaf_grad_hook(
         if type(grad) is tensor_type and grad._spec.placements == target:  # type: ignore[attr-defined]
             return None  # the common case, checked without a call: already the leaf's layout
         grad_dt = _as_dtensor_grad(tensor_type, grad, spec)
-        want = target
-        if want != leaf:
-            # a Partial leaf keeps a gradient of its own Partial, as torch's P -> P
-            found = grad_dt._spec.placements
-            want = tuple(f if f == p else t for p, f, t in zip(leaf, found, target, strict=True))
-        if grad_dt._spec.placements == want and grad_dt is grad:
+        found = grad_dt._spec.placements
+        want = leaf_grad_placements(leaf, found)
+        if want != target:
+            note_partial_grad()  # left Partial, as torch: reduced once, before it is read
+        if found == want and grad_dt is grad:
             return None  # already laid out like the leaf: nothing to do
         check_same_mesh(grad_dt._spec.mesh, spec.mesh, where="DTensor gradient hook")
         local = redistribute_local(grad_dt._local_tensor, grad_dt._spec, want)

@@ -5,6 +5,7 @@ which fails when the gradients are DTensors of different meshes (FSDP's ``dp`` m
 joint ``(dp, tp)`` mesh, plain replicated tensors). This one reduces each gradient's
 local shard, sums the shards' contributions over the mesh axes that shard it (never over
 replicating axes, which would count a value twice), and combines the meshes' totals.
+Gradients that backward left Partial (as torch does) are first reduced in place, once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._partial_grads import reduce_partial_grads
 from hyper_parallel.dtensor._spec import partial_to_replicate
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -41,6 +43,7 @@ def clip_grad_norm_(
         total = clip_grad_norm_(model.parameters(), max_norm=1.0)
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    reduce_partial_grads(params)  # Partial gradients left by backward: reduced once, in place
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if not grads:
@@ -51,7 +54,9 @@ def clip_grad_norm_(
     for grad in grads:
         if isinstance(grad, DTensor):
             placements: tuple[Placement, ...] = grad.placements
-            if grad._spec.has_partial():
+            # clipped in place, Partial or not: scaling commutes with the reduction
+            locals_.append(grad._local_tensor)  # type: ignore[attr-defined]
+            if grad._spec.has_partial():  # a Partial parameter's own Partial gradient
                 grad = grad.redistribute(grad.device_mesh, partial_to_replicate(placements))
                 placements = grad.placements
             local: torch.Tensor = grad._local_tensor  # type: ignore[attr-defined]
@@ -59,7 +64,7 @@ def clip_grad_norm_(
             key: tuple[DeviceMesh, tuple[int, ...]] | None = (grad.device_mesh, axes)
         else:
             local, key = grad, None
-        locals_.append(local)
+            locals_.append(local)
         norm = torch.linalg.vector_norm(local.detach(), norm_type)
         by_mesh.setdefault(key, []).append(norm if inf else norm**norm_type)
     device = grads[0].device

@@ -137,10 +137,10 @@ class DTensor(torch.Tensor):
     def requires_grad_(self, requires_grad: bool = True) -> DTensor:
         """Set ``requires_grad`` in place; a leaf then lays its gradients out like itself.
 
-        The gradient of a leaf arrives in whatever layout backward produced (a
-        replicated weight used with sharded activations gets a Partial gradient); a
-        hook redistributes it to the leaf's placements (Partial becoming Replicate)
-        before it is accumulated into ``.grad``, so optimizers see matching layouts.
+        The gradient of a leaf arrives in whatever layout backward produced; a hook lays
+        it out like the leaf before it is accumulated into ``.grad``, except that a
+        Partial gradient of a Replicate leaf stays Partial, as torch leaves it (reduced
+        once, before an optimizer step reads it: ``_partial_grads``).
         ``nn.Parameter(dt)`` goes through here.
 
         Example::

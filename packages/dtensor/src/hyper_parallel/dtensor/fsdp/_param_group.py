@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.dtensor import collectives
+from hyper_parallel.dtensor._partial_grads import leaf_grad_placements
 from hyper_parallel.dtensor._spec import chunk_range
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -145,6 +146,9 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(self._wrap_sharded(local), self.requires_grad)
         self.unsharded_param: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # unreduced grads (no gradient sync)
+        # the TP axes (and reduce ops) on which the unsharded gradient is still Partial: it is
+        # reduced after the reduce-scatter, on this rank's chunk, once per synced backward
+        self.tp_partial: tuple[tuple[int, str], ...] = ()
 
     # -- layouts -------------------------------------------------------------------
     def _wrap_sharded(self, local: torch.Tensor) -> DTensor:
@@ -218,17 +222,42 @@ class FSDPParam:
 
     # -- gradients ---------------------------------------------------------------------
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The unsharded gradient's local tensor (TP-laid-out as the parameter), cleared."""
+        """The unsharded gradient's local tensor (TP-laid-out as the parameter), cleared.
+
+        A gradient Partial on a TP axis where the parameter is Replicate stays Partial
+        (``tp_partial``): a sum over TP commutes with the reduce-scatter, so the group reduces
+        the chunk after it (``1 / shard size`` of the bytes), and accumulating backwards add
+        Partial locals. Should the Partial axes change between accumulated backwards, the
+        pending sum is reduced first.
+        """
         up = self.unsharded_param
         if up is None or up.grad is None:
             return None
         grad = up.grad
         up.grad = None
-        if isinstance(grad, DTensor):
-            if grad.placements != self.tp_placements:
-                grad = grad.redistribute(grad.device_mesh, self.tp_placements)
-            return grad._local_tensor  # type: ignore[attr-defined,no-any-return]
-        return grad
+        if not isinstance(grad, DTensor):
+            return grad
+        want = leaf_grad_placements(self.tp_placements, grad.placements)
+        partial = tuple(
+            (axis, str(p.reduce_op))  # type: ignore[attr-defined]
+            for axis, (p, mine) in enumerate(zip(want, self.tp_placements, strict=True))
+            if p.is_partial() and not mine.is_partial()
+        )
+        if self.accumulated_grad is not None and partial != self.tp_partial:
+            self.accumulated_grad = self.reduce_tp_partial(self.accumulated_grad)
+            want, partial = self.tp_placements, ()
+        if grad.placements != want:
+            grad = grad.redistribute(grad.device_mesh, want)
+        self.tp_partial = partial
+        return grad._local_tensor  # type: ignore[attr-defined,no-any-return]
+
+    def reduce_tp_partial(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (a gradient or a chunk of one) reduced over the axes of ``tp_partial``."""
+        for axis, op in self.tp_partial:
+            assert self.tp_mesh is not None
+            local = collectives.all_reduce(local, self.tp_mesh, axis, op)  # type: ignore[arg-type]
+        self.tp_partial = ()
+        return local
 
     def stacked_grad(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(shard size, chunk numel)``: row ``i`` is local rank ``i``'s padded gradient chunk."""
@@ -401,10 +430,34 @@ class FSDPParamGroup:
         )
         if factor != 1.0:
             out = out / factor
+        self._reduce_tp_partial(ready, out)
         offset = 0
         for p, _ in ready:
             p.accept_sharded_grad(out[offset : offset + p.chunk_numel])
             offset += p.chunk_numel
+
+    @staticmethod
+    def _reduce_tp_partial(ready: list[tuple[FSDPParam, torch.Tensor]], out: torch.Tensor) -> None:
+        """Reduce, in ``out``, the chunks of the gradients still Partial on TP axes.
+
+        The chunks of one TP mesh and one set of Partial axes are reduced together, by one
+        flat all-reduce per axis.
+        """
+        batches: dict[tuple[DeviceMesh, tuple[tuple[int, str], ...]], list[tuple[int, int]]] = {}
+        offset = 0
+        for p, _ in ready:
+            if p.tp_partial and p.tp_mesh is not None:
+                batches.setdefault((p.tp_mesh, p.tp_partial), []).append((offset, p.chunk_numel))
+                p.tp_partial = ()
+            offset += p.chunk_numel
+        for (mesh, axes), spans in batches.items():
+            flat = torch.cat([out[start : start + n] for start, n in spans])
+            for axis, op in axes:
+                flat = collectives.all_reduce(flat, mesh, axis, op)  # type: ignore[arg-type]
+            taken = 0
+            for start, n in spans:
+                out[start : start + n].copy_(flat[taken : taken + n])
+                taken += n
 
     def reset_backward(self) -> None:
         self.grads_ready = 0
