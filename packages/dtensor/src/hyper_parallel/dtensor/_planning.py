@@ -146,6 +146,12 @@ class OpInfo:
     return_aliases: tuple[str | None, ...]  # per schema return: the written argument it is
     returns_list: bool  # the op returns a Tensor[] (its outputs as a list)
     plans: dict[Any, Plan] = field(default_factory=dict)
+    # the dispatcher's fast path: its key (spec hashes for specs, else as ``plans``) ->
+    # (plan, the specs it was derived for); a hit is used only when the specs are equal
+    fast: dict[Any, tuple[Plan, tuple[DTensorSpec, ...]]] = field(default_factory=dict)
+    # no return aliases an argument: a result is a fresh tensor (never a lazily
+    # conjugated or negated view)
+    fresh_returns: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +175,9 @@ class Plan:
     returns_list: bool = False
     decision: Decision | None = None  # the rule's answer (None for a fallback plan)
     cost: float = 0.0  # bytes a rank sends: input moves and in-kernel reductions (estimate)
+    # the local call is the op itself on fresh results (no rule's local function): its
+    # result carries no lazy conjugate or negative bit for the wrapper to copy
+    fresh: bool = False
     # nothing moves or is rewritten, one result wrapped as ``single``: the dispatcher's
     # fast path runs ``fn`` on the local arguments itself (what ``run_plan`` would do)
     direct: bool = field(init=False, default=False)
@@ -219,6 +228,7 @@ def derive_op_info(func: torch._ops.OpOverload, registry: RuleRegistry) -> OpInf
         written=written,
         return_aliases=tuple(aliases),
         returns_list=len(returns) == 1 and str(returns[0].type).startswith("List"),
+        fresh_returns=all(r.alias_info is None for r in returns),
     )
 
 
@@ -342,6 +352,7 @@ class Planner:
             moved_specs=moved_specs,
             relabel=relabel,
             single=single,
+            fresh=decision.local_fn is None and info.fresh_returns,
             out_specs=out_specs,
             out_local_shapes=out_local_shapes,
             rewrite=decision.rewrite,
