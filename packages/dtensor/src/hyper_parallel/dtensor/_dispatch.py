@@ -18,7 +18,7 @@ class, so imports flow one way.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +92,9 @@ _DETACH = aten.detach.default
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
+# the attribute of an op (OpOverload) that holds its OpInfo (see Dispatcher.op_info)
+_INFO_ATTR = "_hp_op_info"
+
 # bound on an op's fast-path entries (cleared when full, as the plan cache is)
 _MAX_FAST_PER_OP = 1024
 
@@ -133,6 +136,9 @@ class Dispatcher(Planner):
         setattr(tensor_type, "__torch_dispatch__", classmethod(torch_dispatch))  # noqa: B010
 
     def _rules_changed(self) -> None:
+        for info in self._infos.values():  # the ops forget this dispatcher's derivations
+            if getattr(info.func, _INFO_ATTR, None) is info:
+                setattr(info.func, _INFO_ATTR, None)
         self._infos.clear()
         self._inline_detach = None
 
@@ -148,6 +154,12 @@ class Dispatcher(Planner):
         info = self._infos.get(id(func))
         if info is None:
             info = self._infos[id(func)] = derive_op_info(func, self.registry)
+            info.owner = self
+        # the op object carries the info of the dispatcher that last asked (the hot path
+        # reads it there: no id() and no lookup per call); a class's own dispatcher
+        # checks the owner
+        with suppress(AttributeError):
+            setattr(func, _INFO_ATTR, info)
         return info
 
     def clear_plan_cache(self) -> None:
@@ -155,6 +167,7 @@ class Dispatcher(Planner):
         for info in self._infos.values():
             info.plans.clear()
             info.fast.clear()
+        self._specs.clear()
 
     def plan_cache_size(self) -> int:
         """Number of cached sharding decisions."""
@@ -388,7 +401,12 @@ def torch_dispatch(
         if inline and not kwargs and type(args[0]) is tensor_type:
             x = args[0]  # detach_alias, inline
             return tensor_type(x._local_tensor.detach(), x._spec)
-    info = self._infos.get(id(func)) or self.op_info(func)
+    try:
+        info = func._hp_op_info  # type: ignore[attr-defined]
+    except AttributeError:
+        info = None
+    if info is None or info.owner is not self:
+        info = self.op_info(func)
     if specials and info.special is not None:
         return info.special(func, args, kwargs)
     fast_ok = False
@@ -538,5 +556,5 @@ def torch_dispatch(
         if fast_ok:  # the fast path missed: file the plan under its key
             if len(info.fast) >= _MAX_FAST_PER_OP:
                 info.fast.clear()
-            info.fast[fast_key] = (plan, fast_specs)
+            info.fast[fast_key] = (plan, tuple(self.intern_spec(s) for s in fast_specs))
     return self.run_plan(plan, args, kwargs, dtensors, flat_locals if flat else None)
