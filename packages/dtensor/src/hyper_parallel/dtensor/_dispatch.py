@@ -410,101 +410,113 @@ def torch_dispatch(
     if specials and info.special is not None:
         return info.special(func, args, kwargs)
     fast_ok = False
-    if not kwargs:
-        # The fast path of a cache hit: positional arguments that are DTensors of this
-        # class or scalars key as ``key`` keys them, but each DTensor by its spec's
-        # ``_key`` (hashed in C: the spec's own ``__hash__`` is a Python call), built
-        # without a call per argument (a DTensor train step spends most of its Python
-        # calls in dispatch). A hit is used only when its specs equal the arguments'
-        # (identical objects compare without a call). Anything else, and a miss, take the
-        # general path below, which files its plan here too. test_dispatcher checks both
-        # paths agree (the same key, the same result).
-        fast_key: tuple[Any, ...] = ()
-        fast_specs: tuple[Any, ...] = ()
-        fast_dts: tuple[Any, ...] = ()
-        fast_locals: tuple[Any, ...] = ()
-        for a in args:
-            t = type(a)
-            if t is tensor_type:
-                spec = a._spec
-                fast_key += (spec._key,)
+    # The fast path of a cache hit: positional arguments that are DTensors of this
+    # class or scalars, and scalar keyword arguments, key as ``key`` keys them, but
+    # each DTensor by its spec's ``_key`` (hashed in C: the spec's own ``__hash__`` is a
+    # Python call), built without a call per argument (a DTensor train step spends
+    # most of its Python calls in dispatch). A hit is used only when its specs equal the arguments'
+    # (identical objects compare without a call). Anything else, and a miss, take the
+    # general path below, which files its plan here too. test_dispatcher checks both
+    # paths agree (the same key, the same result).
+    fast_key: tuple[Any, ...] = ()
+    fast_specs: tuple[Any, ...] = ()
+    fast_dts: tuple[Any, ...] = ()
+    fast_locals: tuple[Any, ...] = ()
+    for a in args:
+        t = type(a)
+        if t is tensor_type:
+            spec = a._spec
+            fast_key += (spec._key,)
+            fast_specs += (spec,)
+            fast_dts += (a,)
+            fast_locals += (a._local_tensor,)
+            continue
+        if t in _AS_IS:
+            fast_key += (a,)
+        elif t is float:
+            fast_key += (float if info.floats_by_type else (float, a),)
+        elif t is bool:
+            fast_key += (_TRUE if a else _FALSE,)
+        elif t is list and a and type(a[0]) is int:
+            fast_key += (tuple(a),)
+        elif t is list and a and type(a[0]) is tensor_type:
+            # a list of DTensors (a foreach op's: an optimizer's states), keyed and
+            # its locals collected without a call per tensor
+            part: tuple[Any, ...] = ()
+            local_list: list[Any] = []
+            for e in a:
+                if type(e) is not tensor_type:
+                    break
+                spec = e._spec
+                part += (spec._key,)
                 fast_specs += (spec,)
-                fast_dts += (a,)
-                fast_locals += (a._local_tensor,)
-                continue
-            if t in _AS_IS:
-                fast_key += (a,)
-            elif t is float:
-                fast_key += (float if info.floats_by_type else (float, a),)
-            elif t is bool:
-                fast_key += (_TRUE if a else _FALSE,)
-            elif t is list and a and type(a[0]) is int:
-                fast_key += (tuple(a),)
-            elif t is list and a and type(a[0]) is tensor_type:
-                # a list of DTensors (a foreach op's: an optimizer's states), keyed and
-                # its locals collected without a call per tensor
-                part: tuple[Any, ...] = ()
-                local_list: list[Any] = []
-                for e in a:
-                    if type(e) is not tensor_type:
-                        break
-                    spec = e._spec
-                    part += (spec._key,)
-                    fast_specs += (spec,)
-                    local_list += (e._local_tensor,)
-                else:
-                    fast_key += (part,)
-                    fast_dts += tuple(a)
-                    fast_locals += (local_list,)
-                    continue
-                break
-            elif t is list and a and type(a[0]) is float:  # a foreach op's scalar list
-                part = ()
-                for e in a:
-                    if type(e) is not float:
-                        break
-                    part += (float if info.floats_by_type else (float, e),)
-                else:
-                    fast_key += (part,)
-                    fast_locals += (a,)
-                    continue
-                break
+                local_list += (e._local_tensor,)
             else:
-                break
-            fast_locals += (a,)
+                fast_key += (part,)
+                fast_dts += tuple(a)
+                fast_locals += (local_list,)
+                continue
+            break
+        elif t is list and a and type(a[0]) is float:  # a foreach op's scalar list
+            part = ()
+            for e in a:
+                if type(e) is not float:
+                    break
+                part += (float if info.floats_by_type else (float, e),)
+            else:
+                fast_key += (part,)
+                fast_locals += (a,)
+                continue
+            break
         else:
-            fast_ok = True
-            hit = info.fast.get(fast_key)
-            if hit is not None and hit[1] == fast_specs:
-                plan = hit[0]
-                if plan.direct:
-                    out = plan.fn(*fast_locals)
-                    if not self._inline_wrap:
-                        return tensor_type(out, plan.single)  # type: ignore[arg-type]
-                    # DTensor.__new__(out, plan.single), inline: one frame less per op
-                    single = plan.single
-                    meta = single.tensor_meta  # type: ignore[union-attr]
-                    r = _make_wrapper(
-                        tensor_type,
-                        meta.shape,
-                        meta.stride,
-                        None,
-                        None,
-                        meta.dtype,
-                        out.layout,
-                        out.device,
-                        False,
-                        False,
-                    )
-                    r._local_tensor = out
-                    r._spec = single
-                    if not plan.fresh:
-                        if meta.dtype.is_complex and out.is_conj():
-                            torch._C._set_conj(r, True)
-                        if out.is_neg():
-                            torch._C._set_neg(r, True)
-                    return r
-                return self.run_plan(plan, args, kwargs, list(fast_dts), list(fast_locals))
+            break
+        fast_locals += (a,)
+    else:
+        fast_ok = True
+        if kwargs:  # scalar keywords (``clone``'s memory_format), keyed by name
+            for name, a in kwargs.items():
+                t = type(a)
+                if t in _AS_IS:
+                    fast_key += ((name, a),)
+                elif t is float:
+                    fast_key += ((name, float if info.floats_by_type else (float, a)),)
+                elif t is bool:
+                    fast_key += ((name, _TRUE if a else _FALSE),)
+                else:
+                    fast_ok = False
+                    break
+    if fast_ok:
+        hit = info.fast.get(fast_key)
+        if hit is not None and hit[1] == fast_specs:
+            plan = hit[0]
+            if plan.direct:
+                out = plan.fn(*fast_locals, **kwargs)
+                if not self._inline_wrap:
+                    return tensor_type(out, plan.single)  # type: ignore[arg-type]
+                # DTensor.__new__(out, plan.single), inline: one frame less per op
+                single = plan.single
+                meta = single.tensor_meta  # type: ignore[union-attr]
+                r = _make_wrapper(
+                    tensor_type,
+                    meta.shape,
+                    meta.stride,
+                    None,
+                    None,
+                    meta.dtype,
+                    out.layout,
+                    out.device,
+                    False,
+                    False,
+                )
+                r._local_tensor = out
+                r._spec = single
+                if not plan.fresh:
+                    if meta.dtype.is_complex and out.is_conj():
+                        torch._C._set_conj(r, True)
+                    if out.is_neg():
+                        torch._C._set_neg(r, True)
+                return r
+            return self.run_plan(plan, args, kwargs, list(fast_dts), list(fast_locals))
     dtensors: list[DTensor] = []
     parts: list[Any] = []
     flat_locals: list[Any] = []
