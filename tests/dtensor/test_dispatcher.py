@@ -32,6 +32,7 @@ from hyper_parallel.dtensor import (
 )
 from hyper_parallel.dtensor._dispatch import Dispatcher, detach_alias
 from hyper_parallel.dtensor._registry import Decision, Declined, OpCall, RuleRegistry
+from hyper_parallel.dtensor._spec import DTensorSpec
 from hyper_parallel.dtensor.debug import explain
 
 aten = torch.ops.aten
@@ -176,6 +177,9 @@ def _keys_agree(world_size: int) -> list[str]:
         (aten.t.default, (y,), {}),
         (aten.transpose.int, (x, 0, 1), {}),
         (aten._to_copy.default, (x,), {"dtype": torch.float64}),
+        # scalar keywords key inline too, by name
+        (aten.clone.default, (x,), {"memory_format": torch.contiguous_format}),
+        (aten.add.Tensor, (x, y), {"alpha": 0.5}),
         # lists of DTensors and of floats (an optimizer's foreach ops) key inline too
         (aten._foreach_mul.ScalarList, ([x, y], [0.5, 2.0]), {}),
         (aten._foreach_addcmul.Scalar, ([x, y], [y, y], [x, y], 0.5), {}),
@@ -196,6 +200,19 @@ def _keys_agree(world_size: int) -> list[str]:
         for a, b in zip(_tensors(first), _tensors(second), strict=True):
             if a._spec != b._spec or not torch.equal(a._local_tensor, b._local_tensor):
                 missing.append(f"results differ: {func} {args!r:.60} {kwargs}")
+    # an equal spec of another object hits the plan filed for the first (compared by
+    # value), and gives its result
+    twin = DTensor(
+        x._local_tensor, DTensorSpec(x._spec.mesh, x._spec.placements, x._spec.tensor_meta)
+    )
+    assert twin._spec is not x._spec
+    derived = dispatcher.derivations
+    got = dispatcher.dispatch(aten.mul.Tensor, (twin, y), {})
+    want = dispatcher.dispatch(aten.mul.Tensor, (x, y), {})
+    if dispatcher.derivations - derived > 1 or got._spec != want._spec:
+        missing.append("an equal spec of another object re-derived or differs")
+    if not torch.equal(got._local_tensor, want._local_tensor):
+        missing.append("an equal spec of another object: values differ")
     # detach, run inline, is its registered special (detach_alias)
     inline = x.detach()
     special = detach_alias(aten.detach.default, (x,), {})

@@ -25,6 +25,7 @@ from hyper_parallel.dtensor import (
     fallback_counts,
     init_device_mesh,
 )
+from hyper_parallel.dtensor._tensor import plan_derivations
 
 SHAPES_AND_PLACEMENTS: list[tuple[tuple[int, ...], Placement]] = [
     ((8, 6), Shard(0)),
@@ -103,10 +104,64 @@ def _optimizer_steps_match(mesh_shape: tuple[int, ...]) -> list[str]:
                             failures.append(
                                 f"{where} param {i}: placements moved {placements[i]} -> {d.placements}"
                             )
+    failures += _foreach_layouts(mesh)
     after = fallback_counts()
     fell_back = {op: n for op, n in after.items() if n != before.get(op, 0)}
     if fell_back:
         failures.append(f"ops fell back during the steps: {fell_back}")
+    return failures
+
+
+def _placements(t: torch.Tensor) -> tuple[Placement, ...]:
+    assert isinstance(t, DTensor)
+    return t.placements
+
+
+def _foreach_layouts(mesh: DeviceMesh) -> list[str]:
+    """In-place foreach ops on lists laid out like self (run on the local lists, no plan)
+    and on lists laid out otherwise (Replicate or Shard(1) against a Shard(0) self, a
+    Partial self: the rule's path) equal the ops on full tensors; selves keep their layout."""
+    failures: list[str] = []
+    n = mesh.ndim
+    a, b, c = _full_values(7)[0], _full_values(8)[0], _full_values(9)[0]  # (8, 6) each
+    cases = {
+        "equal layouts": (Shard(0), Shard(0), Shard(0)),
+        "Replicate and Shard(1) others": (Shard(0), Replicate(), Shard(1)),
+        "Partial self": (Partial(), Shard(0), Shard(0)),
+    }
+    for extra, (where, (self_pl, pl1, pl2)) in enumerate(cases.items(), start=1):
+        # 8 + extra rows: a layout no plan has seen yet
+        full_a, full_b, full_c = (torch.cat([t, t[:extra]]) for t in (a, b, c))
+        selves: list[torch.Tensor]
+        if self_pl == Partial():
+            local = full_a.clone() if mesh.get_rank() == 0 else torch.zeros_like(full_a)
+            selves = [DTensor.from_local(local, mesh, [Partial()] * n)]
+        else:
+            selves = [distribute_tensor(full_a, mesh, [self_pl] * n, src_data_rank=None)]
+        others: list[torch.Tensor] = [
+            distribute_tensor(full_b, mesh, [pl1] * n, src_data_rank=None)
+        ]
+        thirds: list[torch.Tensor] = [
+            distribute_tensor(full_c, mesh, [pl2] * n, src_data_rank=None)
+        ]
+        derived = plan_derivations()
+        torch._foreach_mul_(selves, 0.5)
+        torch._foreach_add_(selves, others, alpha=2.0)
+        torch._foreach_addcmul_(selves, others, thirds, 0.25)
+        torch._foreach_lerp_(selves, thirds, 0.3)
+        expected = torch.lerp(
+            torch.addcmul(full_a * 0.5 + 2.0 * full_b, full_b, full_c, value=0.25), full_c, 0.3
+        )
+        diff = _max_diff(_full(selves[0]), expected)
+        if diff > TOLERANCE:
+            failures.append(f"foreach {where}: max diff {diff}")
+        if where == "equal layouts":
+            if plan_derivations() != derived:
+                failures.append("foreach equal layouts: planned instead of running on the locals")
+            if _placements(selves[0]) != (Shard(0),) * n:
+                failures.append(f"foreach {where}: self moved to {_placements(selves[0])}")
+        elif where != "Partial self" and _placements(selves[0]) != (self_pl,) * n:
+            failures.append(f"foreach {where}: self moved to {_placements(selves[0])}")
     return failures
 
 

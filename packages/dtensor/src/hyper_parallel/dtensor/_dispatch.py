@@ -18,7 +18,7 @@ class, so imports flow one way.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +90,14 @@ def _flat(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 _DETACH = aten.detach.default
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+# the attribute of an op (OpOverload) that holds its OpInfo (see Dispatcher.op_info)
+_INFO_ATTR = "_hp_op_info"
+
+# bound on an op's fast-path entries (cleared when full, as the plan cache is)
+_MAX_FAST_PER_OP = 1024
+
 
 def detach_alias(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``aten.detach`` of a DTensor: its local shard detached, with the same spec (an alias).
@@ -118,6 +126,9 @@ class Dispatcher(Planner):
         self.registry = rules
         self._infos: dict[int, OpInfo] = {}  # by id(op): the ops this dispatcher has seen
         self._inline_detach: bool | None = None  # detach_alias is detach's special (None: unknown)
+        # the class builds its wrappers with the plain constructor (``_tensor`` marks it):
+        # the fast path builds them inline
+        self._inline_wrap = bool(getattr(tensor_type.__new__, "_hp_plain_wrapper", False))
         rules.watch(self._rules_changed)
         # The class's __torch_dispatch__ is the dispatch body itself (one Python frame per
         # op), reading the class's dispatcher; this one is it from now on.
@@ -125,6 +136,9 @@ class Dispatcher(Planner):
         setattr(tensor_type, "__torch_dispatch__", classmethod(torch_dispatch))  # noqa: B010
 
     def _rules_changed(self) -> None:
+        for info in self._infos.values():  # the ops forget this dispatcher's derivations
+            if getattr(info.func, _INFO_ATTR, None) is info:
+                setattr(info.func, _INFO_ATTR, None)
         self._infos.clear()
         self._inline_detach = None
 
@@ -140,12 +154,20 @@ class Dispatcher(Planner):
         info = self._infos.get(id(func))
         if info is None:
             info = self._infos[id(func)] = derive_op_info(func, self.registry)
+            info.owner = self
+        # the op object carries the info of the dispatcher that last asked (the hot path
+        # reads it there: no id() and no lookup per call); a class's own dispatcher
+        # checks the owner
+        with suppress(AttributeError):
+            setattr(func, _INFO_ATTR, info)
         return info
 
     def clear_plan_cache(self) -> None:
         """Forget every cached sharding decision."""
         for info in self._infos.values():
             info.plans.clear()
+            info.fast.clear()
+        self._specs.clear()
 
     def plan_cache_size(self) -> int:
         """Number of cached sharding decisions."""
@@ -379,69 +401,122 @@ def torch_dispatch(
         if inline and not kwargs and type(args[0]) is tensor_type:
             x = args[0]  # detach_alias, inline
             return tensor_type(x._local_tensor.detach(), x._spec)
-    info = self._infos.get(id(func)) or self.op_info(func)
+    try:
+        info = func._hp_op_info  # type: ignore[attr-defined]
+    except AttributeError:
+        info = None
+    if info is None or info.owner is not self:
+        info = self.op_info(func)
     if specials and info.special is not None:
         return info.special(func, args, kwargs)
-    if not kwargs:
-        # The fast path of a cache hit: positional arguments that are DTensors of this
-        # class or scalars key exactly as ``key`` keys them, built without a call per
-        # argument (a DTensor train step spends most of its Python calls in dispatch);
-        # anything else, and a miss, take the general path below. test_dispatcher
-        # checks both paths agree (the same key, the same result).
-        fast_key: tuple[Any, ...] = ()
-        fast_dts: tuple[Any, ...] = ()
-        fast_locals: tuple[Any, ...] = ()
-        for a in args:
-            t = type(a)
-            if t is tensor_type:
-                fast_key += (a._spec,)
-                fast_dts += (a,)
-                fast_locals += (a._local_tensor,)
-                continue
-            if t in _AS_IS:
-                fast_key += (a,)
-            elif t is float:
-                fast_key += (float if info.floats_by_type else (float, a),)
-            elif t is bool:
-                fast_key += (_TRUE if a else _FALSE,)
-            elif t is list and a and type(a[0]) is int:
-                fast_key += (tuple(a),)
-            elif t is list and a and type(a[0]) is tensor_type:
-                # a list of DTensors (a foreach op's: an optimizer's states), keyed as
-                # ``key`` keys it and its locals collected, without a call per tensor
-                part: tuple[Any, ...] = ()
-                local_list: list[Any] = []
-                for e in a:
-                    if type(e) is not tensor_type:
-                        break
-                    part += (e._spec,)
-                    local_list += (e._local_tensor,)
-                else:
-                    fast_key += (part,)
-                    fast_dts += tuple(a)
-                    fast_locals += (local_list,)
-                    continue
-                break
-            elif t is list and a and type(a[0]) is float:  # a foreach op's scalar list
-                part = ()
-                for e in a:
-                    if type(e) is not float:
-                        break
-                    part += (float if info.floats_by_type else (float, e),)
-                else:
-                    fast_key += (part,)
-                    fast_locals += (a,)
-                    continue
-                break
+    fast_ok = False
+    # The fast path of a cache hit: positional arguments that are DTensors of this
+    # class or scalars, and scalar keyword arguments, key as ``key`` keys them, but
+    # each DTensor by its spec's ``_key`` (hashed in C: the spec's own ``__hash__`` is a
+    # Python call), built without a call per argument (a DTensor train step spends
+    # most of its Python calls in dispatch). A hit is used only when its specs equal the arguments'
+    # (identical objects compare without a call). Anything else, and a miss, take the
+    # general path below, which files its plan here too. test_dispatcher checks both
+    # paths agree (the same key, the same result).
+    fast_key: tuple[Any, ...] = ()
+    fast_specs: tuple[Any, ...] = ()
+    fast_dts: tuple[Any, ...] = ()
+    fast_locals: tuple[Any, ...] = ()
+    for a in args:
+        t = type(a)
+        if t is tensor_type:
+            spec = a._spec
+            fast_key += (spec._key,)
+            fast_specs += (spec,)
+            fast_dts += (a,)
+            fast_locals += (a._local_tensor,)
+            continue
+        if t in _AS_IS:
+            fast_key += (a,)
+        elif t is float:
+            fast_key += (float if info.floats_by_type else (float, a),)
+        elif t is bool:
+            fast_key += (_TRUE if a else _FALSE,)
+        elif t is list and a and type(a[0]) is int:
+            fast_key += (tuple(a),)
+        elif t is list and a and type(a[0]) is tensor_type:
+            # a list of DTensors (a foreach op's: an optimizer's states), keyed and
+            # its locals collected without a call per tensor
+            part: tuple[Any, ...] = ()
+            local_list: list[Any] = []
+            for e in a:
+                if type(e) is not tensor_type:
+                    break
+                spec = e._spec
+                part += (spec._key,)
+                fast_specs += (spec,)
+                local_list += (e._local_tensor,)
             else:
-                break
-            fast_locals += (a,)
+                fast_key += (part,)
+                fast_dts += tuple(a)
+                fast_locals += (local_list,)
+                continue
+            break
+        elif t is list and a and type(a[0]) is float:  # a foreach op's scalar list
+            part = ()
+            for e in a:
+                if type(e) is not float:
+                    break
+                part += (float if info.floats_by_type else (float, e),)
+            else:
+                fast_key += (part,)
+                fast_locals += (a,)
+                continue
+            break
         else:
-            plan = info.plans.get(fast_key)
-            if plan is not None:
-                if plan.direct:
-                    return tensor_type(plan.fn(*fast_locals), plan.single)  # type: ignore[arg-type]
-                return self.run_plan(plan, args, kwargs, list(fast_dts), list(fast_locals))
+            break
+        fast_locals += (a,)
+    else:
+        fast_ok = True
+        if kwargs:  # scalar keywords (``clone``'s memory_format), keyed by name
+            for name, a in kwargs.items():
+                t = type(a)
+                if t in _AS_IS:
+                    fast_key += ((name, a),)
+                elif t is float:
+                    fast_key += ((name, float if info.floats_by_type else (float, a)),)
+                elif t is bool:
+                    fast_key += ((name, _TRUE if a else _FALSE),)
+                else:
+                    fast_ok = False
+                    break
+    if fast_ok:
+        hit = info.fast.get(fast_key)
+        if hit is not None and hit[1] == fast_specs:
+            plan = hit[0]
+            if plan.direct:
+                out = plan.fn(*fast_locals, **kwargs)
+                if not self._inline_wrap:
+                    return tensor_type(out, plan.single)  # type: ignore[arg-type]
+                # DTensor.__new__(out, plan.single), inline: one frame less per op
+                single = plan.single
+                meta = single.tensor_meta  # type: ignore[union-attr]
+                r = _make_wrapper(
+                    tensor_type,
+                    meta.shape,
+                    meta.stride,
+                    None,
+                    None,
+                    meta.dtype,
+                    out.layout,
+                    out.device,
+                    False,
+                    False,
+                )
+                r._local_tensor = out
+                r._spec = single
+                if not plan.fresh:
+                    if meta.dtype.is_complex and out.is_conj():
+                        torch._C._set_conj(r, True)
+                    if out.is_neg():
+                        torch._C._set_neg(r, True)
+                return r
+            return self.run_plan(plan, args, kwargs, list(fast_dts), list(fast_locals))
     dtensors: list[DTensor] = []
     parts: list[Any] = []
     flat_locals: list[Any] = []
@@ -490,4 +565,8 @@ def torch_dispatch(
     else:
         if plan is None:
             plan = self.derive_plan(info, key, args, kwargs, dtensors)
+        if fast_ok:  # the fast path missed: file the plan under its key
+            if len(info.fast) >= _MAX_FAST_PER_OP:
+                info.fast.clear()
+            info.fast[fast_key] = (plan, tuple(self.intern_spec(s) for s in fast_specs))
     return self.run_plan(plan, args, kwargs, dtensors, flat_locals if flat else None)

@@ -91,6 +91,7 @@ class Result(enum.Enum):
 _WRAP = Result.WRAP  # the hot path compares with a module global, not an enum attribute
 
 _MAX_PLANS_PER_OP = 1024
+_MAX_INTERNED_SPECS = 4096
 
 
 class FallbackWarning(UserWarning):
@@ -146,6 +147,13 @@ class OpInfo:
     return_aliases: tuple[str | None, ...]  # per schema return: the written argument it is
     returns_list: bool  # the op returns a Tensor[] (its outputs as a list)
     plans: dict[Any, Plan] = field(default_factory=dict)
+    # the dispatcher's fast path: its key (spec hashes for specs, else as ``plans``) ->
+    # (plan, the specs it was derived for); a hit is used only when the specs are equal
+    fast: dict[Any, tuple[Plan, tuple[DTensorSpec, ...]]] = field(default_factory=dict)
+    # no return aliases an argument: a result is a fresh tensor (never a lazily
+    # conjugated or negated view)
+    fresh_returns: bool = False
+    owner: Any = None  # the dispatcher that derived it
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +177,9 @@ class Plan:
     returns_list: bool = False
     decision: Decision | None = None  # the rule's answer (None for a fallback plan)
     cost: float = 0.0  # bytes a rank sends: input moves and in-kernel reductions (estimate)
+    # the local call is the op itself on fresh results (no rule's local function): its
+    # result carries no lazy conjugate or negative bit for the wrapper to copy
+    fresh: bool = False
     # nothing moves or is rewritten, one result wrapped as ``single``: the dispatcher's
     # fast path runs ``fn`` on the local arguments itself (what ``run_plan`` would do)
     direct: bool = field(init=False, default=False)
@@ -219,6 +230,7 @@ def derive_op_info(func: torch._ops.OpOverload, registry: RuleRegistry) -> OpInf
         written=written,
         return_aliases=tuple(aliases),
         returns_list=len(returns) == 1 and str(returns[0].type).startswith("List"),
+        fresh_returns=all(r.alias_info is None for r in returns),
     )
 
 
@@ -264,10 +276,31 @@ class Planner:
 
     def __init__(self, tensor_type: TensorType) -> None:
         self.tensor_type = tensor_type
+        # results may be built inline, as the class's plain constructor builds them
+        # (a Dispatcher decides from its class)
+        self._inline_wrap = False
+        self._specs: dict[DTensorSpec, DTensorSpec] = {}  # intern_spec's table
         self.derivations = 0  # sharding decisions derived (cache misses)
         self.fallbacks: Counter[str] = Counter()  # fallback calls per op
 
     # -- deriving a plan ---------------------------------------------------------------
+
+    def intern_spec(self, spec: DTensorSpec) -> DTensorSpec:
+        """The one spec object this planner uses for ``spec``'s value (itself, the first time).
+
+        Bounded: the table starts over when full (a later equal spec is then another
+        object, which compares by value).
+
+        Example::
+
+            dispatcher.intern_spec(dt._spec) is dispatcher.intern_spec(dt._spec)  # True
+        """
+        found = self._specs.get(spec)
+        if found is None:
+            if len(self._specs) >= _MAX_INTERNED_SPECS:
+                self._specs.clear()
+            found = self._specs[spec] = spec
+        return found
 
     def derive_plan(
         self,
@@ -326,6 +359,9 @@ class Planner:
         if keeps_layout and any(moved_specs[i] for i in mutation.mutated):
             return _fallback_plan(info, mutation, _KEEPS_WRITTEN_LAYOUT)
         out_specs, out_local_shapes = _outputs(mesh, out_metas, decision)
+        # one object per spec value among results: the dispatcher's fast path compares
+        # the specs of later calls by identity first
+        out_specs = tuple(None if o is None else self.intern_spec(o) for o in out_specs)
         relabel = _relabel(mutation, specs, moved_specs, out_specs)
         if relabel and keeps_layout:
             return _fallback_plan(info, mutation, _KEEPS_WRITTEN_LAYOUT)
@@ -342,6 +378,7 @@ class Planner:
             moved_specs=moved_specs,
             relabel=relabel,
             single=single,
+            fresh=decision.local_fn is None and info.fresh_returns,
             out_specs=out_specs,
             out_local_shapes=out_local_shapes,
             rewrite=decision.rewrite,
@@ -483,6 +520,38 @@ class Planner:
         if single is not None:
             return self.tensor_type(out, single)
         if plan.result is _WRAP:
+            if (
+                plan.returns_list
+                and plan.fresh
+                and self._inline_wrap
+                and len(out) == len(plan.out_specs)
+            ):
+                # a foreach op's fresh results (an optimizer's ``_foreach_sqrt``): the
+                # wrappers built inline, as DTensor.__new__ builds them
+                wrapped: list[Any] = []
+                make = torch.Tensor._make_wrapper_subclass
+                tensor_type = self.tensor_type
+                for o, spec in zip(out, plan.out_specs):  # noqa: B905 (lengths checked)
+                    if spec is None:
+                        wrapped += (o,)
+                        continue
+                    meta = spec.tensor_meta
+                    r = make(
+                        tensor_type,
+                        meta.shape,
+                        meta.stride,
+                        None,
+                        None,
+                        meta.dtype,
+                        o.layout,
+                        o.device,
+                        False,
+                        False,
+                    )
+                    r._local_tensor = o
+                    r._spec = spec
+                    wrapped += (r,)
+                return wrapped
             return self._wrap(out, iter(plan.out_specs))
         for i, spec in plan.relabel:
             dtensors[i]._spec = spec

@@ -63,7 +63,7 @@ class DTensorSpec:
     Specs are immutable, hashable values: the dispatcher's cache keys are built from them.
     """
 
-    __slots__ = ("_hash", "_partial", "mesh", "placements", "tensor_meta")
+    __slots__ = ("_hash", "_key", "_partial", "mesh", "placements", "tensor_meta")
 
     def __init__(
         self, mesh: DeviceMesh, placements: tuple[Placement, ...], tensor_meta: TensorMeta
@@ -72,6 +72,9 @@ class DTensorSpec:
         self.placements = placements
         self.tensor_meta = tensor_meta
         self._hash = hash((mesh, placements, tensor_meta))
+        # the dispatcher's fast key for this spec: equal specs have equal keys, hashed in
+        # C (the spec's own __hash__ is a Python call); tagged, so no other argument is one
+        self._key = (DTensorSpec, self._hash)
         # read per tensor by the foreach specials (an optimizer step asks it of every state)
         self._partial = any(p.is_partial() for p in placements)
 

@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
 class DTensor(torch.Tensor):
     """A distributed tensor: global shape, stride and dtype; a local shard on each rank.
 
@@ -69,14 +72,20 @@ class DTensor(torch.Tensor):
         cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False
     ) -> DTensor:
         meta = spec.tensor_meta
-        r = torch.Tensor._make_wrapper_subclass(
+        # positional (size, strides, storage_offset, memory_format, dtype, layout, device,
+        # pin_memory, requires_grad): torch parses them faster than keywords, and every op
+        # on DTensors builds one wrapper per result
+        r = _make_wrapper(
             cls,
             meta.shape,
-            strides=meta.stride,
-            dtype=meta.dtype,
-            device=local_tensor.device,
-            layout=local_tensor.layout,
-            requires_grad=requires_grad,
+            meta.stride,
+            None,
+            None,
+            meta.dtype,
+            local_tensor.layout,
+            local_tensor.device,
+            False,
+            requires_grad,
         )
         r._local_tensor = local_tensor
         r._spec = spec
@@ -324,6 +333,8 @@ def _off_mesh_empty(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return local.new_empty(0)
 
 
+# DTensor.__new__ is the plain wrapper constructor: the dispatcher may build results inline
+DTensor.__new__._hp_plain_wrapper = True  # type: ignore[attr-defined]
 DTensor._op_dispatcher = Dispatcher(DTensor)
 
 

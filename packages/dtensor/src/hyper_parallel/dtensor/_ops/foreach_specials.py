@@ -58,6 +58,80 @@ def _foreach_in_place(
     dispatch_by_rules(func, args, kwargs)
 
 
+_SCALAR_TYPES = (float, int, bool)
+
+
+def _local_lists(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The local call of an in-place foreach op that every rank may run on its shards
+    alone, or ``None``.
+
+    That is when every list argument holds DTensors (of this class) laid out index by
+    index like ``self``'s (one mesh, equal placements, none Partial, the same global
+    shape): each index is then an element-wise op on equal shards, which the rule plans
+    with no move and no relabel. Everything else is a plain scalar (no tensor scalar).
+    An optimizer step runs each of its foreach ops this way: no plan lookup, no call
+    per tensor.
+    """
+    selves = args[0]
+    if type(selves) is not list or not selves:
+        return None
+    specs: list[DTensorSpec] = []
+    local_selves: list[torch.Tensor] = []
+    for t in selves:
+        if type(t) is not DTensor:
+            return None
+        spec = t._spec
+        if spec._partial:
+            return None
+        specs += (spec,)
+        local_selves += (t._local_tensor,)
+    local_args: list[Any] = [local_selves]
+    n = len(specs)
+    for a in args[1:]:
+        if type(a) is list:
+            if len(a) != n:
+                return None
+            if type(a[0]) is DTensor:
+                local: list[torch.Tensor] = []
+                for i, e in enumerate(a):
+                    if type(e) is not DTensor:
+                        return None
+                    spec, own = e._spec, specs[i]
+                    if spec is not own and (
+                        spec.mesh is not own.mesh
+                        or spec.placements != own.placements
+                        or spec.tensor_meta.shape != own.tensor_meta.shape
+                    ):
+                        return None
+                    local += (e._local_tensor,)
+                local_args += (local,)
+                continue
+            for e in a:
+                if type(e) not in _SCALAR_TYPES:
+                    return None
+        elif type(a) not in _SCALAR_TYPES:
+            return None
+        local_args += (a,)
+    if kwargs:
+        for v in kwargs.values():
+            if type(v) not in _SCALAR_TYPES:
+                return None
+    return local_args
+
+
+def _in_place_special(handler: Any) -> Any:
+    """An in-place foreach op: on the local lists when ``_local_lists`` allows, else ``handler``."""
+
+    def run(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        local_args = _local_lists(args, kwargs)
+        if local_args is None:
+            return handler(func, args, kwargs)
+        func._op(*local_args, **kwargs)
+        return None
+
+    return run
+
+
 def _per_mesh(handler: Any) -> Any:
     """Run a foreach op once per mesh when its tensors live on several (one group per mesh).
 
@@ -104,5 +178,5 @@ def _per_mesh(handler: Any) -> Any:
     return run
 
 
-register_special(*_IN_PLACE)(_per_mesh(_foreach_in_place))
+register_special(*_IN_PLACE)(_in_place_special(_per_mesh(_foreach_in_place)))
 register_special(*_OUT_OF_PLACE, aten._foreach_norm.Scalar)(_per_mesh(dispatch_by_rules))
