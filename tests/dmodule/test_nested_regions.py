@@ -286,6 +286,15 @@ def _errors(mesh: Any) -> dict[str, str]:
         Norm.Config(sharding_config=bad).build().parallelize(mesh)
     except ValueError as exc:
         found["state_grad"] = str(exc)
+    # a norm on sequence shards that does not say how its weight's gradient is laid out:
+    # taken as replicated it would be this rank's tokens' sum only, so it is refused
+    undeclared = ShardingConfig(
+        state_shardings={"weight": REP}, in_dst_shardings={"x": SEQ}, local_map=LocalMapConfig()
+    )
+    try:
+        Norm.Config(sharding_config=undeclared).build().parallelize(mesh)
+    except ValueError as exc:
+        found["undeclared"] = str(exc)
     return found
 
 
@@ -349,6 +358,10 @@ def test_inner_region_refuses_what_no_plain_move_places(nested: list[dict[str, A
         assert errors["collectives"] == "0", errors  # refused before any collective
         assert "state_grad_placements['bias']" in errors["state_grad"], errors
         assert "['weight']" in errors["state_grad"], errors
+        undeclared = errors["undeclared"]
+        assert "parameter 'weight' is replicated over 'tp'" in undeclared, errors
+        assert "input 'x' is sharded over it" in undeclared, errors
+        assert "state_grad_placements={'weight': {'tp': Partial()}}" in undeclared, errors
 
 
 def test_state_grad_placements_round_trip_as_data() -> None:

@@ -181,6 +181,8 @@ def plan_parallelize(
         if sc.local_map is not None and sc.local_map.state_grad_placements:
             planner.problems.extend(_state_grad_problems(label, sc, planner.axes))
         if sc.local_map is not None:
+            planner.problems.extend(_undeclared_state_grads(label, sub, sc))
+        if sc.local_map is not None:
             local_map_roots.append(path)
     return plans, planner.problems
 
@@ -496,6 +498,45 @@ def _state_grad_problems(label: str, sc: ShardingConfig, axes: Sequence[str]) ->
             resolve_placements(named, axes, where=where)
         except (TypeError, ValueError) as error:
             problems.append(str(error))
+    return problems
+
+
+def _undeclared_state_grads(label: str, module: torch.nn.Module, sc: ShardingConfig) -> list[str]:
+    """A ``local_map`` block's trainable parameter replicated over an axis its input is sharded on.
+
+    Its local gradient is then either a partial sum over this rank's shard (a norm weight
+    under sequence parallelism: ``Partial``) or already whole (``Replicate``, when the
+    block gathers before using it); only the block knows, so it must say which in
+    ``local_map.state_grad_placements``; taking it as replicated by default gave a wrong
+    gradient without a word.
+    """
+    assert sc.local_map is not None
+    sharded: dict[str, str] = {}  # axis -> the input sharded over it
+    dst = sc.in_dst_shardings
+    layouts = dst.items() if isinstance(dst, Mapping) else enumerate(dst or ())
+    for where, layout in layouts:
+        if isinstance(layout, Mapping):
+            for axis, placement in layout.items():
+                if isinstance(placement, Shard):
+                    sharded.setdefault(axis_name(axis), str(where))
+    if not sharded:
+        return []
+    declared = sc.local_map.state_grad_placements or {}
+    problems = []
+    for name, param in module.named_parameters(recurse=False):
+        if not param.requires_grad or name in declared:
+            continue
+        own = {axis_name(a): p for a, p in (sc.state_shardings.get(name) or {}).items()}
+        for axis, arg in sharded.items():
+            if not isinstance(own.get(axis), Shard):
+                problems.append(
+                    f"{label}: parameter {name!r} is replicated over {axis!r} while input "
+                    f"{arg!r} is sharded over it, so its local gradient may sum this rank's "
+                    f"shard only; declare local_map.state_grad_placements={{{name!r}: "
+                    f"{{{axis!r}: Partial()}}}} (a per-token weight such as a norm's), or "
+                    f"Replicate() if the block gathers the input before using it"
+                )
+                break
     return problems
 
 
