@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import warnings
 from typing import Any
 
@@ -29,7 +28,6 @@ from tests.dtensor._torch_twin import Side, close, full, layout, sides
 from torch import nn
 
 import hyper_parallel.dtensor as hp
-from hyper_parallel.dtensor import _seeds
 
 P_DROP = 0.4
 DIM, HEADS, SEQ = 16, 4, 4
@@ -91,14 +89,14 @@ def _reseed_after_first_use(side: Side) -> dict[str, Any]:
 def _one_rank_draws_alone(side: Side) -> dict[str, Any]:
     """Equal seeds; then rank 0 alone draws a plain tensor (nobody reseeds); then dropout of a Replicate.
 
-    A rank's generator moves on its own (rank 0 sampling examples to log) with no reseed
-    to detect, and only that rank knows, so no collective may depend on it: the dropout
-    runs none, and rank 0 draws from the stream the last DTensor random op left (as the
-    other ranks do), with a warning there.
+    What a per-op check is for: a rank's generator moves on its own (rank 0 sampling
+    examples to log, a data pipeline drawing per-rank sizes) with no reseed to detect, and
+    only one rank knows; skipping the check on the ranks that saw no change would leave the
+    others alone in a collective.
     """
     R = side.Replicate
     torch.manual_seed(9)
-    side.distribute(torch.empty(4, 4), [R(), R()]).uniform_()  # after the reseed: checked
+    side.distribute(torch.empty(4, 4), [R(), R()]).uniform_()  # checked: the replicas agree
     if _rank() == 0:
         torch.rand(5)
     replicated = side.distribute(torch.ones(4, 4), [R(), R()])
@@ -110,108 +108,6 @@ def _one_rank_draws_alone(side: Side) -> dict[str, Any]:
         "comm": comm,
         "warned": any(isinstance(w.message, hp.RandomSeedWarning) for w in caught),
     }
-
-
-def _dropouts_on_two_meshes() -> dict[str, Any]:
-    """Dropouts alternating between two new meshes: a sync on each mesh's first, then none.
-
-    Then ``torch.manual_seed`` with the same seed again (a fresh state, the same
-    ``torch.initial_seed()``): the next dropout checks once.
-    """
-    line = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("line",))
-    grid = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("rows", "cols"))
-    xs = [
-        hp.distribute_tensor(torch.ones(4, 4), line, [hp.Replicate()]),
-        hp.distribute_tensor(torch.ones(4, 4), grid, [hp.Replicate(), hp.Replicate()]),
-    ]
-    torch.manual_seed(21)
-    values, comms = [], []
-    for step in range(7):
-        if step == 6:
-            torch.manual_seed(21)
-        with hp.CommDebugMode() as comm:
-            dropped: Any = F.dropout(xs[step % 2], p=P_DROP, training=True)
-        values.append(dropped.to_local().clone())
-        comms.append(comm.counts())
-    return {"values": values, "comms": comms, "line": line}
-
-
-def _two_dropouts(x: torch.Tensor, w: torch.Tensor, rank0_draws: bool) -> torch.Tensor:
-    """dropout(dropout(x @ w) @ w); rank 0 draws a plain tensor in between when ``rank0_draws``."""
-    h = F.dropout(x @ w, p=P_DROP, training=True)
-    if rank0_draws and _rank() == 0:
-        torch.rand(3)
-    return F.dropout(h @ w, p=P_DROP, training=True)
-
-
-def _checkpoint_inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(30)
-    return torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
-
-
-def _checkpoint_replay(line: Any) -> dict[str, Any]:
-    """Dropout on Replicate DTensors under ``torch.utils.checkpoint``: the recompute replays it."""
-    out: dict[str, Any] = {}
-    x, w = _checkpoint_inputs()
-    for seed, rank0_draws in ((31, False), (32, True)):
-        torch.manual_seed(seed)
-        dx = hp.distribute_tensor(x, line, [hp.Replicate()]).requires_grad_()
-        dw = hp.distribute_tensor(w, line, [hp.Replicate()]).requires_grad_()
-        hp.distribute_tensor(torch.empty(4), line, [hp.Replicate()]).uniform_()  # the check
-        with hp.CommDebugMode() as forward:
-            y: Any = torch.utils.checkpoint.checkpoint(
-                _two_dropouts, dx, dw, rank0_draws, use_reentrant=False
-            )
-            loss = y.sum()
-        with hp.CommDebugMode() as backward:
-            loss.backward()
-        # the recompute ran inside torch's fork_rng: the generator is back where the
-        # forward left it, a state known here, so the next dropout continues from it
-        with hp.CommDebugMode() as after:
-            next_one: Any = F.dropout(dx.detach(), p=P_DROP, training=True)
-        w_grad: Any = dw.grad
-        x_grad: Any = dx.grad
-        out[f"rank0_draws={rank0_draws}"] = {
-            "y": y.to_local().detach().clone(),
-            "w_grad": w_grad.to_local().clone(),
-            "x_grad": x_grad.to_local().clone(),
-            "forward": forward.counts(),
-            "backward": backward.counts(),
-            "after": after.counts(),
-            "next": next_one.to_local().clone(),
-        }
-    return out
-
-
-def _every_op_check(line: Any) -> dict[str, Any]:
-    """``HYPER_PARALLEL_RNG_CHECK=every_op`` checks before each op; a bad value raises first.
-
-    The variable is read when an op is not in steady state (a mesh's first, or the first
-    after a reseed): set before a ``torch.manual_seed``, it holds from there on.
-    """
-    x = hp.distribute_tensor(torch.ones(4, 4), line, [hp.Replicate()])
-    out: dict[str, Any] = {}
-    os.environ[_seeds.CHECK_ENV_VAR] = "every_op"
-    try:
-        torch.manual_seed(41)
-        with hp.CommDebugMode() as comm:
-            for _ in range(2):
-                F.dropout(x, p=P_DROP, training=True)
-        out["every_op"] = comm.counts()
-        os.environ[_seeds.CHECK_ENV_VAR] = "sometimes"
-        before = torch.get_rng_state()
-        try:
-            F.dropout(x, p=P_DROP, training=True)
-            out["bad"] = "ran"
-        except ValueError as exc:
-            out["bad"] = str(exc)
-        out["bad_left_generator"] = torch.equal(before, torch.get_rng_state())
-    finally:
-        del os.environ[_seeds.CHECK_ENV_VAR]
-    with hp.CommDebugMode() as comm:
-        F.dropout(x, p=P_DROP, training=True)
-    out["default_again"] = comm.counts()
-    return out
 
 
 class Attention(nn.Module):
@@ -313,10 +209,6 @@ def _on_four_ranks() -> dict[str, Any]:
         result[f"{side.name} attention"] = _tp_attention(side, side.mesh["tp"], dp_rank)
         result[f"{side.name} init"] = _init_after_all_that(side, side.mesh["tp"])
     result["dp_rank"] = dp_rank
-    result["two meshes"] = _dropouts_on_two_meshes()
-    line = result["two meshes"].pop("line")
-    result["checkpoint"] = _checkpoint_replay(line)
-    result["every_op"] = _every_op_check(line)
     return result
 
 
@@ -373,76 +265,18 @@ def test_per_rank_reseed_after_first_use_keeps_replicas_equal_both_variants(
     assert torch.equal(first["redistributed"][0], want)
 
 
-def test_one_rank_drawing_alone_runs_no_collective_and_draws_the_mesh_stream(
+def test_one_rank_drawing_alone_without_a_reseed_cannot_split_replicas(
     four_ranks: list[dict[str, Any]],
 ) -> None:
-    torch.manual_seed(9)  # the mesh's stream on one device: rank 0's lone draw is not in it
+    torch.manual_seed(9)  # rank 0's generator, on one device
     torch.empty(4, 4).uniform_()
+    torch.rand(5)
     want = F.dropout(torch.ones(4, 4), p=P_DROP, training=True)
     for rank, got in enumerate(four_ranks):
         mine = got["hp draws alone"]
-        assert torch.equal(mine["values"], want), (rank, "not the mesh's stream")
-        assert mine["comm"] == {}, (rank, mine["comm"])
-        assert mine["warned"] == (rank == 0), rank
-
-
-def test_dropouts_run_no_collective_after_each_meshs_first(
-    four_ranks: list[dict[str, Any]],
-) -> None:
-    torch.manual_seed(21)  # one device: the same dropouts in the same order
-    want = [F.dropout(torch.ones(4, 4), p=P_DROP, training=True) for _ in range(6)]
-    torch.manual_seed(21)
-    want.append(F.dropout(torch.ones(4, 4), p=P_DROP, training=True))
-    for rank, got in enumerate(four_ranks):
-        run = got["two meshes"]
-        # each mesh's first random op syncs (a broadcast per axis), later ones run none;
-        # the reseed with the same seed leaves a fresh state: one check
-        assert run["comms"] == [
-            {"broadcast": 1},
-            {"broadcast": 2},
-            {},
-            {},
-            {},
-            {},
-            {"all_reduce": 1},
-        ], (rank, run["comms"])
-        for step, (value, expected) in enumerate(zip(run["values"], want, strict=True)):
-            assert torch.equal(value, expected), (rank, step)
-
-
-def test_checkpoint_replay_of_dropout_is_exact_with_no_collective_in_backward(
-    four_ranks: list[dict[str, Any]],
-) -> None:
-    x, w = _checkpoint_inputs()
-    for seed, rank0_draws in ((31, False), (32, True)):
-        label = f"rank0_draws={rank0_draws}"
-        # one device, no checkpointing; rank 0's lone draw is not in the mesh's stream
-        torch.manual_seed(seed)
-        torch.empty(4).uniform_()
-        x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = _two_dropouts(x1, w1, rank0_draws=False)
-        total: Any = y.sum()
-        total.backward()
-        assert w1.grad is not None and x1.grad is not None
-        next_one = F.dropout(x, p=P_DROP, training=True)
-        for rank, got in enumerate(four_ranks):
-            run = got["checkpoint"][label]
-            assert run["forward"] == run["backward"] == run["after"] == {}, (rank, label, run)
-            assert torch.equal(run["next"], next_one), (rank, label)
-            assert torch.equal(run["y"], y.detach()), (rank, label)
-            assert close(run["w_grad"], w1.grad), (rank, label)
-            assert close(run["x_grad"], x1.grad), (rank, label)
-
-
-def test_every_op_check_env_var_restores_the_per_op_check(
-    four_ranks: list[dict[str, Any]],
-) -> None:
-    for rank, got in enumerate(four_ranks):
-        run = got["every_op"]
-        assert run["every_op"] == {"all_reduce": 2}, (rank, run)
-        assert "HYPER_PARALLEL_RNG_CHECK" in run["bad"] and "'sometimes'" in run["bad"], run
-        assert "every_op" in run["bad"] and run["bad_left_generator"], run
-        assert run["default_again"] == {}, (rank, run)
+        assert torch.equal(mine["values"], want), (rank, "replicas differ from rank 0's draw")
+        assert "all_reduce" in mine["comm"] and "broadcast" in mine["comm"], mine["comm"]
+        assert mine["warned"] == (rank != 0), rank
 
 
 def test_dropout_in_tp_attention_with_dp_rank_seeds_is_the_one_device_block(

@@ -110,7 +110,7 @@ def _dropout_1d() -> dict[str, Any]:
         dt.uniform_(0, 1)
     dt = dt.redistribute(mesh, [hp.Replicate()])
     dropped = torch.nn.Dropout(p=0.2)(dt)
-    # a second op on the same mesh, with no reseed since: no collective (#35)
+    # a second op on the same mesh does not sync again: it checks that the replicas agree
     with hp.CommDebugMode() as second:
         torch.rand_like(dt)
     return {
@@ -308,7 +308,7 @@ def test_deterministic_dropout_1d_per_rank_seeds(four_ranks: list[dict[str, Any]
         assert torch.equal(run["dropout"], first["dropout"]), rank
         # the first random op on the mesh syncs the state: one broadcast, once
         assert run["first_op_comm"] == {"broadcast": 1}, run["first_op_comm"]
-        assert run["second_op_comm"] == {}, run["second_op_comm"]
+        assert run["second_op_comm"] == {"all_reduce": 1}, run["second_op_comm"]
         assert run["warned"] == ([] if rank == 0 else ["RandomSeedWarning"]), (rank, run)
         assert run["initial_seed"] == 0, "the state (and its seed) of rank 0"
     torch.manual_seed(0)  # rank 0's seed, on one device
@@ -343,13 +343,12 @@ def test_multinomial_of_row_shards_stays_sharded(four_ranks: list[dict[str, Any]
             if "S1" in key:
                 # a shard of the classes is gathered, as torch (which then also splits the
                 # rows over the replicated axis; hp's fallback returns Replicate, so its
-                # seed check after the reseed covers both axes: one all-reduce each)
+                # seed check covers both axes: one all-reduce each)
                 assert theirs["comm"] == {"all_gather": 1}, (key, theirs)
                 assert mine["comm"] == {"all_gather": 1, "all_reduce": 2}, (key, mine)
                 continue
             assert mine["layout"] == theirs["layout"], (key, mine, theirs)
-            # no data moves, as torch; after the torch.manual_seed before each call, hp
-            # checks that the replicated axis's ranks agree
+            # no data moves, as torch; hp checks that the replicated axis's ranks agree
             assert theirs["comm"] == {}, (key, theirs)
             assert mine["comm"] == {"all_reduce": 1}, (key, mine)
 

@@ -31,15 +31,13 @@ Partial DTensor raises, as in torch (it would change the target's placement);
 ``rand_like`` of a Partial gives a Replicate DTensor.
 
 Seeds: the values are those of one device only if every rank's default generator
-holds the same state. Each draw runs inside ``_seeds.aligned_generator``, which aligns
-the ranks that must draw alike: the first random op on each mesh takes the state of
-the mesh's first rank (one broadcast per axis); after a ``torch.manual_seed`` the next
-op whose result is replicated along some axes checks (one small all-reduce per such
-axis) that the ranks along them agree, taking the first rank's state where a per-rank
-reseed split them; in steady state no collective runs (the states random ops left
-are remembered, so activation checkpointing's replay finds its draws). ``manual_seed``
-(torch's ``manual_seed(seed, device_mesh)``) seeds this rank and turns all this off:
-the caller vouches for the seeds. A user-passed ``generator=`` is never aligned (as torch).
+holds the same state. Before each op the ranks that must draw alike are aligned
+(``_seeds.py``): the first random op on each mesh takes the state of the mesh's first
+rank, and later ops whose result is replicated along some axes check (one small
+all-reduce per such axis) that the ranks along them still agree, taking the first
+rank's state where a per-rank reseed split them. ``manual_seed`` (torch's
+``manual_seed(seed, device_mesh)``) seeds this rank and turns this off: the caller
+vouches for the seeds. A user-passed ``generator=`` is never aligned (as torch).
 Memory per rank: the local shard, plus one piece of ``C`` elements (default
 ``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
 float32) when the shard is one contiguous run of the flat tensor (Shard(0),
@@ -63,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
@@ -72,7 +70,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.dtensor._registry import register_special
-from hyper_parallel.dtensor._seeds import aligned_generator
+from hyper_parallel.dtensor._seeds import align_generators
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -269,15 +267,11 @@ def _shard_box(spec: DTensorSpec) -> _Box | None:
     return _Box(spec.shape, shape, offset)
 
 
-def _align_for(
-    spec: DTensorSpec, device: torch.device, kwargs: dict[str, Any]
-) -> AbstractContextManager[None]:
-    """Around drawing ``spec``'s values: its replicas draw from one state (a user's generator is theirs)."""
-    if kwargs.get("generator") is not None:
-        return nullcontext()
-    # consumed only when some axis needs a check (not in steady state)
-    replicated = (axis for axis, p in enumerate(spec.placements) if not p.is_shard())
-    return aligned_generator(spec.mesh, device, replicated)
+def _align_for(spec: DTensorSpec, device: torch.device, kwargs: dict[str, Any]) -> None:
+    """Before drawing ``spec``'s values: its replicas hold one generator state (a user's generator is theirs)."""
+    if kwargs.get("generator") is None:
+        replicated = [axis for axis, p in enumerate(spec.placements) if not p.is_shard()]
+        align_generators(spec.mesh, device, replicated)
 
 
 def fill_shard(
@@ -377,8 +371,8 @@ def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             "Replicate. Redistribute the DTensor (e.g. .redistribute(placements=[Replicate()])) "
             "or fill a new one"
         )
-    with _align_for(spec, self._local_tensor.device, kwargs):
-        fill_shard(self._local_tensor, spec, func, rest, kwargs)
+    _align_for(spec, self._local_tensor.device, kwargs)
+    fill_shard(self._local_tensor, spec, func, rest, kwargs)
     return self  # type: ignore[no-any-return]
 
 
@@ -407,8 +401,8 @@ def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTen
     box = _shard_box(out_spec)
     local_shape = box.shape if box is not None else (0,)
     local = torch.empty(local_shape, dtype=dtype, device=device)
-    with _align_for(out_spec, torch.device(device), kwargs):
-        fill_shard(local, out_spec, fill_op, to_args(args[1:]), {"generator": generator})
+    _align_for(out_spec, torch.device(device), kwargs)
+    fill_shard(local, out_spec, fill_op, to_args(args[1:]), {"generator": generator})
     return DTensor(local, out_spec)
 
 
@@ -439,11 +433,10 @@ def _seeded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         (a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)),
         None,
     )
-    if first is None or kwargs.get("generator") is not None:
-        return dispatch_by_rules(func, args, kwargs)
-    mesh = first._spec.mesh
-    with aligned_generator(mesh, first._local_tensor.device, range(mesh.ndim)):
-        return dispatch_by_rules(func, args, kwargs)
+    if first is not None and kwargs.get("generator") is None:
+        mesh = first._spec.mesh
+        align_generators(mesh, first._local_tensor.device, range(mesh.ndim))
+    return dispatch_by_rules(func, args, kwargs)
 
 
 register_special(*_SEEDED_BY_RULES)(_seeded)
@@ -537,8 +530,8 @@ def _multinomial(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     out_spec = DTensorSpec(mesh, spec.placements, out_meta)
     if mesh.get_coordinate() is None:
         return DTensor(torch.empty(0, dtype=torch.int64, device=local.device), out_spec)
-    with _align_for(out_spec, local.device, {}):
-        return DTensor(_multinomial_draws(local, k, replacement, draw), out_spec)
+    _align_for(out_spec, local.device, {})
+    return DTensor(_multinomial_draws(local, k, replacement, draw), out_spec)
 
 
 register_special(aten.multinomial.default)(_multinomial)
