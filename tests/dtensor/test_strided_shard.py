@@ -264,4 +264,10 @@ def test_views_and_matmul_keep_strided_shards_as_torch_with_no_collective_on_two
         for name, ours, theirs, counts, torch_count, values_ok, grads_ok in results:
             assert ours == theirs, (name, ours, theirs)
             assert values_ok and grads_ok, name
-            assert sum(counts.values()) == torch_count, (name, counts, torch_count)
+            # never more than torch. The matmul's replicated weight: torch all-gathers in
+            # the backward (1) and gives it a Replicate gradient; hp multiplies the local
+            # shards and leaves the gradient Partial (0), reduced once by its reader (the
+            # optimizer's step, clip; hp-dtensor README, "gradient of a leaf")
+            assert sum(counts.values()) <= torch_count, (name, counts, torch_count)
+            if name != "matmul of 3-d S1 by 2-d":
+                assert sum(counts.values()) == torch_count, (name, counts, torch_count)
