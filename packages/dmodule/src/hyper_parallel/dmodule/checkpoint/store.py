@@ -178,11 +178,9 @@ def verify_checkpoint(directory: str | os.PathLike[str], step: int) -> None:
         verify_checkpoint("ckpt", 10)
     """
     path = step_path(directory, step)
-    found = damage(path)
-    if found is not None:
-        older = [s for s in committed_steps(directory) if s < step]
-        intact = next((s for s in reversed(older) if damage(step_path(directory, s)) is None), None)
-        raise CheckpointCorruptError(path, found[0], found[1], intact)
+    corrupt = _damage_error(directory, step, 1, "cpu")
+    if corrupt is not None:
+        raise corrupt
     if not (path / MANIFEST).is_file():
         _warn_unverified(path, stacklevel=3)
 
@@ -208,6 +206,16 @@ def _shared_damage(
     """
     platform = get_platform()
     world = platform.get_world_size() if platform.is_initialized() else 1
+    return _damage_error(directory, step, world, device_type)
+
+
+def _damage_error(
+    directory: str | os.PathLike[str], step: int, world: int, device_type: str
+) -> CheckpointCorruptError | None:
+    """The error for ``step``'s first damaged file and the newest intact older step, if any.
+
+    ``world`` processes check together (collective when above 1); 1: this process alone.
+    """
     first = _first_damaged(step_path(directory, step), world, device_type)
     if first is None:
         return None
@@ -225,9 +233,9 @@ def _shared_damage(
 
 def _first_damaged(path: Path, world: int, device_type: str) -> tuple[str, str] | None:
     """The first file of ``path`` off its manifest as every rank agrees, with this rank's words."""
-    found = damage(path, (_rank(), world))
     if world == 1:
-        return found
+        return damage(path)
+    found = damage(path, (_rank(), world))
     order = manifest_order(path)
     clean = len(order) + 1  # the manifest itself unreadable sorts first (-1)
     position = clean
