@@ -19,7 +19,7 @@ Nothing here imports the DTensor class: gradients are rebuilt with their own cla
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +34,12 @@ if TYPE_CHECKING:
     from hyper_parallel.dtensor._tensor import DTensor
     from hyper_parallel.dtensor.device_mesh import DeviceMesh
 
-__all__ = ["leaf_grad_placements", "note_partial_grad", "reduce_partial_grads"]
+__all__ = [
+    "all_reduce_together",
+    "leaf_grad_placements",
+    "note_partial_grad",
+    "reduce_partial_grads",
+]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,15 +152,33 @@ def reduce_partial_grads(parameters: Iterable[torch.Tensor]) -> None:
     for (mesh, moved, _, _), members in batches.items():
         with torch.no_grad():
             locals_ = [g._local_tensor for _, g, _ in members]  # type: ignore[attr-defined]
-            flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else locals_[0]
-            for axis, op in moved:
-                flat = collectives.all_reduce(flat, mesh, axis, op)  # type: ignore[arg-type]
-            offset = 0
-            for (param, grad, want), old in zip(members, locals_, strict=True):
-                n = old.numel()
-                reduced = flat.reshape(-1)[offset : offset + n].view(old.shape)
-                offset += n
-                param.grad = type(grad)(reduced, grad._spec.with_placements(want))
+            reduced = all_reduce_together(locals_, mesh, moved)
+            for (param, grad, want), local in zip(members, reduced, strict=True):
+                param.grad = type(grad)(local, grad._spec.with_placements(want))
+
+
+def all_reduce_together(
+    tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axes: Sequence[tuple[int, str]]
+) -> list[torch.Tensor]:
+    """Each of ``tensors`` reduced over ``axes`` (mesh axis, reduce op), all in one flat buffer.
+
+    One all-reduce per axis whatever the number of tensors (the gradients of a step
+    pre-hook's batch, the chunks of an FSDP group). Collective over ``mesh``'s axes.
+
+    Example::
+
+        weight_grad, bias_grad = all_reduce_together([weight_grad, bias_grad], mesh, [(0, "sum")])
+    """
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0]
+    for axis, op in axes:
+        flat = collectives.all_reduce(flat, mesh, axis, op)  # type: ignore[arg-type]
+    out: list[torch.Tensor] = []
+    offset = 0
+    for tensor in tensors:
+        n = tensor.numel()
+        out.append(flat.reshape(-1)[offset : offset + n].view(tensor.shape))
+        offset += n
+    return out
 
 
 def _reduced(param: tuple[Placement, ...], found: tuple[Placement, ...]) -> tuple[Placement, ...]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.dtensor import collectives
-from hyper_parallel.dtensor._partial_grads import leaf_grad_placements
+from hyper_parallel.dtensor._partial_grads import all_reduce_together, leaf_grad_placements
 from hyper_parallel.dtensor._spec import chunk_range
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
@@ -451,13 +451,9 @@ class FSDPParamGroup:
                 p.tp_partial = ()
             offset += p.chunk_numel
         for (mesh, axes), spans in batches.items():
-            flat = torch.cat([out[start : start + n] for start, n in spans])
-            for axis, op in axes:
-                flat = collectives.all_reduce(flat, mesh, axis, op)  # type: ignore[arg-type]
-            taken = 0
-            for start, n in spans:
-                out[start : start + n].copy_(flat[taken : taken + n])
-                taken += n
+            chunks = [out[start : start + n] for start, n in spans]
+            for chunk, reduced in zip(chunks, all_reduce_together(chunks, mesh, axes), strict=True):
+                chunk.copy_(reduced)
 
     def reset_backward(self) -> None:
         self.grads_ready = 0
