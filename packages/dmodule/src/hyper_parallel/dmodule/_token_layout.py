@@ -1,4 +1,4 @@
-"""Where each token sits under context parallelism: head-tail order, packed documents, ``TokenLayout``."""
+"""Where each token sits under context parallelism: head-tail order, documents, ``TokenLayout``."""
 
 from __future__ import annotations
 

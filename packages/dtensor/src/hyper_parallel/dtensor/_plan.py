@@ -1,4 +1,4 @@
-"""``Plan`` and ``OpInfo``: the work one call needs, precomputed, and what planning knows of an op."""
+"""``Plan`` and ``OpInfo``: one call's precomputed work, and what planning knows of an op."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The phases of deriving a plan that need no DTensor: the checked decision, moves, outputs, relabels."""
+"""The phases of a plan's derivation that need no DTensor: decision, moves, outputs, relabels."""
 
 from __future__ import annotations
 

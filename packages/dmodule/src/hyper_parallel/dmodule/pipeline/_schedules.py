@@ -1,4 +1,4 @@
-"""torch's pipeline schedules as hp names them: the names, where stages sit, the microbatch counts."""
+"""torch's pipeline schedules: their names, where their stages sit, the microbatch counts."""
 
 from __future__ import annotations
 

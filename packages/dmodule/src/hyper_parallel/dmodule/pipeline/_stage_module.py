@@ -1,4 +1,4 @@
-"""One stage as torch's ``PipelineStage`` runs it: plain tensors at its boundary, DTensors inside."""
+"""A stage as torch's ``PipelineStage`` runs it: plain tensors at its boundary, DTensors inside."""
 
 from __future__ import annotations
 
