@@ -1,4 +1,4 @@
-"""``fully_shard``'s argument checks: mesh, device, reshard_after_forward, parameters, shard dims."""
+"""``fully_shard``'s argument checks: mesh, device, resharding, managed parameters, shard dims."""
 
 from __future__ import annotations
 
