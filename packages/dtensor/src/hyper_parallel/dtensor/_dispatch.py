@@ -2,7 +2,7 @@
 
 One :class:`Dispatcher` per DTensor class (the class holds it as ``_op_dispatcher``, as
 torch's DTensor holds its ``OpDispatcher``) owns what dispatch derives: per op its
-:class:`~hyper_parallel.dtensor._planning.OpInfo` (rule, special, schema facts) and its
+:class:`~hyper_parallel.dtensor._plan.OpInfo` (rule, special, schema facts) and its
 plan cache. It holds the rule registry and forgets what it derived whenever a rule is
 registered.
 

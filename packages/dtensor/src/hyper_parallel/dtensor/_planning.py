@@ -16,50 +16,40 @@ or answers something impossible, is a bug: its error propagates. Under
 :class:`FallbackError` instead of running.
 
 The planner works on DTensors of the class it is built for (the dispatcher that the
-DTensor class holds is a planner), so nothing here imports the class.
+DTensor class holds is a planner), so nothing here imports the class. The plan's types
+live in ``_plan``, the phases of a derivation that need no DTensor in ``_plan_phases``.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hyper_parallel.dtensor._ops._strategy import decision_cost
+from hyper_parallel.dtensor._plan import OpInfo, Plan, Result, _Mutation, derive_op_info
+from hyper_parallel.dtensor._plan_phases import (
+    RuleError,
+    _decide,
+    _decide_on_strided,
+    _fallback_plan,
+    _flatten_outputs,
+    _meta_like,
+    _moves,
+    _outputs,
+    _relabel,
+)
 from hyper_parallel.dtensor._redistribute import PlacementError, redistribute_local
-from hyper_parallel.dtensor._registry import (
-    Decision,
-    Declined,
-    LocalFn,
-    OpCall,
-    Rewrite,
-    Rule,
-    RuleRegistry,
-    Special,
-)
-from hyper_parallel.dtensor._spec import (
-    DTensorSpec,
-    TensorMeta,
-    local_shape_and_offset,
-    replicate_all,
-)
-from hyper_parallel.dtensor._strided import (
-    has_strided,
-    keeps_strided,
-    restore_strided,
-    sees_strided,
-    shown_call,
-)
+from hyper_parallel.dtensor._registry import OpCall
+from hyper_parallel.dtensor._spec import DTensorSpec, TensorMeta, replicate_all
+from hyper_parallel.dtensor._strided import has_strided
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dtensor.placement_types import Partial, Placement
 
 if TYPE_CHECKING:
     from hyper_parallel.dtensor._tensor import DTensor
@@ -76,17 +66,7 @@ __all__ = [
     "strict_mode",
 ]
 
-Placements = tuple[Placement, ...]
 TensorType = type["DTensor"]
-
-
-class Result(enum.Enum):
-    """How an op's result is built from the local call's result."""
-
-    WRAP = "wrap"  # wrap every tensor output with its planned spec
-    ALIASES = "aliases"  # return the written DTensor arguments the schema's returns alias
-    NOTHING = "nothing"  # the op returns nothing (e.g. in-place foreach ops)
-
 
 _WRAP = Result.WRAP  # the hot path compares with a module global, not an enum attribute
 
@@ -100,10 +80,6 @@ class FallbackWarning(UserWarning):
 
 class FallbackError(RuntimeError):
     """Under :func:`strict_mode`, an op would have run through the fallback."""
-
-
-class RuleError(RuntimeError):
-    """A sharding rule gave an impossible answer (a bug in the rule, not a fallback)."""
 
 
 _strict: ContextVar[bool | None] = ContextVar("hp_strict_fallbacks", default=None)
@@ -135,135 +111,9 @@ def _strict_now() -> bool:
     return enabled
 
 
-@dataclass(slots=True)
-class OpInfo:
-    """What planning knows about one op overload, computed once from its schema and the registry."""
-
-    func: torch._ops.OpOverload
-    special: Special | None
-    rule: Rule | None
-    floats_by_type: bool  # float arguments key the cache by type only (the rule ignores values)
-    written: tuple[str, ...]  # names of the arguments the op writes
-    return_aliases: tuple[str | None, ...]  # per schema return: the written argument it is
-    returns_list: bool  # the op returns a Tensor[] (its outputs as a list)
-    plans: dict[Any, Plan] = field(default_factory=dict)
-    # the dispatcher's fast path: its key (spec hashes for specs, else as ``plans``) ->
-    # (plan, the specs it was derived for); a hit is used only when the specs are equal
-    fast: dict[Any, tuple[Plan, tuple[DTensorSpec, ...]]] = field(default_factory=dict)
-    # no return aliases an argument: a result is a fresh tensor (never a lazily
-    # conjugated or negated view)
-    fresh_returns: bool = False
-    owner: Any = None  # the dispatcher that derived it
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Everything one call needs, precomputed from the rule's decision (or a fallback plan)."""
-
-    fallback: bool
-    fn: LocalFn
-    mutated: tuple[int, ...]  # DTensor indices the op writes
-    result: Result
-    returned: tuple[tuple[int, ...], ...]  # per return: DTensor indices it aliases
-    moves: tuple[tuple[int, Placements], ...] = ()  # (DTensor index, target) of moving inputs
-    moved_specs: tuple[DTensorSpec | None, ...] = ()  # spec after the move, per DTensor
-    relabel: tuple[tuple[int, DTensorSpec], ...] = ()  # written DTensors whose layout changes
-    single: DTensorSpec | None = None  # the op returns one tensor, wrapped with this spec
-    out_specs: tuple[DTensorSpec | None, ...] = ()
-    out_local_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
-    rewrite: Rewrite | None = None
-    reason: str = ""
-    outside: bool = False  # this rank is not in the mesh: it holds empty locals, computes nothing
-    returns_list: bool = False
-    decision: Decision | None = None  # the rule's answer (None for a fallback plan)
-    cost: float = 0.0  # bytes a rank sends: input moves and in-kernel reductions (estimate)
-    # the local call is the op itself on fresh results (no rule's local function): its
-    # result carries no lazy conjugate or negative bit for the wrapper to copy
-    fresh: bool = False
-    # nothing moves or is rewritten, one result wrapped as ``single``: the dispatcher's
-    # fast path runs ``fn`` on the local arguments itself (what ``run_plan`` would do)
-    direct: bool = field(init=False, default=False)
-
-    def __post_init__(self) -> None:
-        direct = (
-            not self.fallback
-            and not self.outside
-            and not self.moves
-            and self.rewrite is None
-            and self.single is not None
-        )
-        object.__setattr__(self, "direct", direct)
-
-
-def derive_op_info(func: torch._ops.OpOverload, registry: RuleRegistry) -> OpInfo:
-    """The planning state of ``func``: its schema's aliasing, its rule or special.
-
-    Example::
-
-        derive_op_info(torch.ops.aten.mm.default, registry).rule   # the matrix-product rule
-    """
-    schema = func._schema
-    written = tuple(
-        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
-    )
-    aliases: list[str | None] = []
-    for r in schema.returns:
-        name = None
-        if r.alias_info is not None and r.alias_info.is_write:
-            for a in schema.arguments:
-                ai = a.alias_info
-                if ai is not None and ai.is_write and ai.before_set == r.alias_info.before_set:
-                    name = a.name
-                    break
-        aliases.append(name)
-    rule = registry.rule_for(func)
-    special = registry.special_for(func)
-    if special is None and rule is None and _composite(func):
-        special = _decompose
-    returns = schema.returns
-    return OpInfo(
-        func=func,
-        special=special,
-        rule=rule,
-        floats_by_type=torch.Tag.pointwise in func.tags
-        or schema.name.startswith("aten::_foreach_"),
-        written=written,
-        return_aliases=tuple(aliases),
-        returns_list=len(returns) == 1 and str(returns[0].type).startswith("List"),
-        fresh_returns=all(r.alias_info is None for r in returns),
-    )
-
-
-def _composite(func: torch._ops.OpOverload) -> bool:
-    """True for ops torch defines by a decomposition (linear, matmul, reshape, ...)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(),  # type: ignore[no-untyped-call]
-        torch._C.DispatchKey.CompositeImplicitAutograd,
-    )
-
-
-def _decompose(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a composite op as its decomposition, whose ops have rules.
-
-    Such ops reach DTensors whole only where autograd is off (``inference_mode``);
-    decomposing them there, as autograd does elsewhere, keeps e.g. a sharded weight
-    of ``linear`` in place instead of gathering it in the fallback.
-    """
-    return func.decompose(*args, **kwargs)
-
-
 _KEEPS_WRITTEN_LAYOUT = (
     "no layout of its sharding rule keeps the placements of the tensor it writes in place"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class _Mutation:
-    """What an op writes and returns, as DTensor indices of one call."""
-
-    mutated: tuple[int, ...] = ()
-    result: Result = Result.WRAP
-    returned: tuple[tuple[int, ...], ...] = ()
 
 
 class Planner:
@@ -636,129 +486,6 @@ class Planner:
         return out
 
 
-# -- the phases of a plan that need no DTensor ------------------------------------------
-
-
-def _decide(rule: Rule, call: OpCall) -> Decision | str:
-    """The rule's decision, checked (a str: why the rule declined the call).
-
-    A rule that raises is a bug and its error propagates, as does an impossible
-    answer (:class:`RuleError`): only "no rule" and "declined" take the fallback.
-    """
-    try:
-        decision = rule(call)
-    except Declined as exc:
-        return f"its sharding rule declined this call ({exc})"
-    if decision is None:
-        return "its sharding rule declined this call"
-    problem = _check_decision(decision, call.specs, call.out_metas)
-    if problem:
-        raise RuleError(f"{call.func}: its sharding rule gave {problem}")
-    return decision
-
-
-def _decide_on_strided(rule: Rule, call: OpCall) -> Decision | str:
-    """The decision of a call with strided shards (see ``_strided``): kept where the op allows."""
-    if sees_strided(call.func):
-        decision = _decide(rule, call)
-        if not isinstance(decision, str):
-            return decision
-    elif keeps_strided(call.func):
-        decision = _decide(rule, shown_call(call, as_shard=True))
-        if not isinstance(decision, str):
-            restored = restore_strided(call, decision)
-            if restored is not None:
-                return restored
-    return _decide(rule, shown_call(call, as_shard=False))
-
-
-def _check_decision(
-    decision: Decision, specs: list[DTensorSpec], out_metas: list[TensorMeta | None]
-) -> str:
-    """What is wrong with a rule's decision ('' when nothing)."""
-    if len(decision.inputs) != len(specs):
-        return f"{len(decision.inputs)} input layouts for {len(specs)} DTensor arguments"
-    if len(decision.outputs) != len(out_metas):
-        return f"{len(decision.outputs)} output layouts for {len(out_metas)} outputs"
-    for spec, target in zip(specs, decision.inputs, strict=True):
-        if len(target) != len(spec.placements):
-            return f"input layout {target} for a {len(spec.placements)}-axis mesh"
-        for src, dst in zip(spec.placements, target, strict=True):
-            if isinstance(dst, Partial) and src != dst:
-                return f"an unreachable input layout {dst!r} (from {src!r})"
-    for meta, placements in zip(out_metas, decision.outputs, strict=True):
-        if meta is not None and placements is None:
-            return "no layout for a tensor output"
-    n_axes = len(specs[0].placements) if specs else 0
-    if any(not 0 <= axis < n_axes for axis in decision.reduces):
-        return f"in-kernel reductions over mesh axes {decision.reduces} of a {n_axes}-axis mesh"
-    return ""
-
-
-def _moves(
-    specs: list[DTensorSpec], decision: Decision
-) -> tuple[tuple[tuple[int, Placements], ...], tuple[DTensorSpec | None, ...]]:
-    """The inputs that move (index, target) and each DTensor's spec after its move."""
-    moves: list[tuple[int, Placements]] = []
-    moved_specs: list[DTensorSpec | None] = []
-    for i, (spec, target) in enumerate(zip(specs, decision.inputs, strict=True)):
-        target = tuple(target)
-        if target != spec.placements:
-            moves.append((i, target))
-            moved_specs.append(spec.with_placements(target))
-        else:
-            moved_specs.append(None)
-    return tuple(moves), tuple(moved_specs)
-
-
-def _outputs(
-    mesh: DeviceMesh, out_metas: list[TensorMeta | None], decision: Decision
-) -> tuple[tuple[DTensorSpec | None, ...], list[tuple[int, ...] | None]]:
-    """Each output's spec and this rank's local shape of it (None for non-tensors)."""
-    out_specs: list[DTensorSpec | None] = []
-    out_local_shapes: list[tuple[int, ...] | None] = []
-    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
-    for meta, placements in zip(out_metas, decision.outputs, strict=True):
-        if meta is None or placements is None:
-            out_specs.append(None)
-            out_local_shapes.append(None)
-        else:
-            out_specs.append(DTensorSpec(mesh, tuple(placements), meta))
-            shape, _ = local_shape_and_offset(meta.shape, mesh.shape, coordinate, placements)
-            out_local_shapes.append(shape)
-    return tuple(out_specs), out_local_shapes
-
-
-def _relabel(
-    mutation: _Mutation,
-    specs: list[DTensorSpec],
-    moved_specs: tuple[DTensorSpec | None, ...],
-    out_specs: tuple[DTensorSpec | None, ...],
-) -> tuple[tuple[int, DTensorSpec], ...]:
-    """The returned written DTensors whose placements the op changes (``transpose_`` and kin)."""
-    if mutation.result is not Result.ALIASES:
-        return ()
-    relabel: list[tuple[int, DTensorSpec]] = []
-    for indices, out_spec in zip(mutation.returned, out_specs, strict=False):
-        if len(indices) == 1 and out_spec is not None:
-            i = indices[0]
-            before = moved_specs[i] or specs[i]
-            if out_spec.placements != before.placements:
-                relabel.append((i, before.with_placements(out_spec.placements)))
-    return tuple(relabel)
-
-
-def _fallback_plan(info: OpInfo, mutation: _Mutation, reason: str) -> Plan:
-    return Plan(
-        fallback=True,
-        fn=info.func,
-        mutated=mutation.mutated,
-        result=mutation.result,
-        returned=mutation.returned,
-        reason=reason,
-    )
-
-
 def common_mesh(func: torch._ops.OpOverload, specs: Sequence[DTensorSpec]) -> DeviceMesh:
     """The one mesh of a call's DTensor arguments (raises naming both when they differ).
 
@@ -771,20 +498,6 @@ def common_mesh(func: torch._ops.OpOverload, specs: Sequence[DTensorSpec]) -> De
                 f"{func}: DTensor arguments live on different meshes: {mesh} and {s.mesh}"
             )
     return mesh
-
-
-def _meta_like(spec: DTensorSpec) -> torch.Tensor:
-    meta = spec.tensor_meta
-    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-
-
-def _flatten_outputs(out: Any) -> list[Any]:
-    if isinstance(out, (list, tuple)):
-        flat: list[Any] = []
-        for o in out:
-            flat.extend(_flatten_outputs(o))
-        return flat
-    return [out]
 
 
 def _aliased_result(plan: Plan, out: Any, dtensors: list[DTensor]) -> Any:

@@ -15,24 +15,36 @@ functional collective (``torch.distributed._functional_collectives``) and return
 :func:`wait`, waits for the values. Where that is not possible (a group of one, an
 ``"avg"`` reduction, which gloo lacks natively, a backend without the functional
 collective) the call completes before it returns, as without ``async_op``.
+
+Process groups live in ``_comm_groups``, the errors of a failed collective in
+``_comm_errors``; both are re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import os
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
-from hyper_parallel.platform_torch.devices import backend_for, set_current_device
+from hyper_parallel.platform_torch._comm_errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    _reports_lost_peers,
+)
+from hyper_parallel.platform_torch._comm_groups import (
+    default_group_timeout,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+)
 
 __all__ = [
     "REDUCE_OPS",
@@ -65,276 +77,9 @@ _NATIVE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 # (backend, collective) pairs a backend refused as unsupported; see the module docstring.
 _UNSUPPORTED: set[tuple[str, str]] = set()
-# How backends (gloo's tcp transport) word a peer process that went away mid-collective.
-_LOST_PEER_PHRASES = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "connection refused",
-)
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed on a peer's account; ``line`` says where, in one line.
-
-    ``rank``, ``collective``, ``group`` (its description: for a ``DeviceMesh`` group, the
-    mesh axis), ``ranks`` (the group's global ranks) and ``peers`` (the others); the
-    backend's own error is chained as the cause.
-    """
-
-    _what = "failed"
-
-    def __init__(
-        self, rank: int, collective: str, group: str, ranks: list[int], backend_error: str
-    ) -> None:
-        self.rank, self.collective, self.group, self.ranks = rank, collective, group, ranks
-        self.peers = [r for r in ranks if r != rank]
-        cause = backend_error.strip().splitlines()[0] if backend_error.strip() else "?"
-        if cause.startswith("[") and "] " in cause:  # gloo's "[.../pair.cc:561] " source prefix
-            cause = cause.split("] ", 1)[1]
-        cause = cause.split(". This is typically", 1)[0]
-        self.line = self._line(cause[:200])
-        super().__init__(self.line)
-
-    def _line(self, cause: str) -> str:
-        return (
-            f"rank {self.rank}: {self.collective} on {self.group} (group ranks {self.ranks}) "
-            f"{self._what} ({cause})"
-        )
-
-
-class PeerLostError(CollectiveError):
-    """A collective failed because a process of its group went away (crashed, killed, node lost).
-
-    Example::
-
-        try:
-            all_reduce(x, group, "sum")
-        except PeerLostError as error:
-            print(error.line)  # rank 0: lost a peer in all_reduce on mesh axis 'dp' ...
-    """
-
-    def _line(self, cause: str) -> str:
-        return (
-            f"rank {self.rank}: lost a peer in {self.collective} on {self.group} (group ranks "
-            f"{self.ranks}): one of peer ranks {self.peers} went away ({cause})"
-        )
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A collective ran past its group's timeout: a peer never arrived (stalled elsewhere).
-
-    Example::
-
-        try:
-            all_reduce(x, group, "sum")
-        except CollectiveTimeoutError as error:
-            print(error.line)  # rank 0: all_reduce on mesh axis 'tp' ... timed out ...
-    """
-
-    def _line(self, cause: str) -> str:
-        return (
-            f"rank {self.rank}: {self.collective} on {self.group} (group ranks {self.ranks}) "
-            f"timed out: one of peer ranks {self.peers} did not arrive within the group's "
-            f"timeout ({cause})"
-        )
-
-
-def _describe_group(group: ProcessGroup | None) -> tuple[str, list[int]]:
-    """The group's description (``new_group(description=...)``) and its global ranks."""
-    if group is None or group is dist.group.WORLD:
-        return "the default group", list(range(dist.get_world_size()))
-    description = getattr(group, "group_desc", "") or ""
-    if not description or description == "undefined":
-        description = "a process group"
-    return description, list(dist.get_process_group_ranks(group))
-
-
-def _reports_lost_peers(fn: Callable[_P, _T]) -> Callable[_P, _T]:
-    """A backend's "connection reset/closed by peer" or timeout in ``fn`` as a :class:`CollectiveError`."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def collective(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as error:
-            text = str(error)
-            lowered = text.lower()
-            kind: type[CollectiveError]
-            if isinstance(error, CollectiveError):
-                raise
-            if any(phrase in lowered for phrase in _LOST_PEER_PHRASES):
-                kind = PeerLostError
-            elif "timed out" in lowered or "timeout" in lowered:
-                kind = CollectiveTimeoutError
-            else:
-                raise
-            bound = inspect.signature(fn).bind(*args, **kwargs).arguments
-            group = cast("ProcessGroup | None", bound.get("group"))
-            described, ranks = _describe_group(group)
-            raise kind(dist.get_rank(), name, described, ranks, text) from error
-
-    return collective
-
-
-# -- process groups ------------------------------------------------------------
-def is_initialized() -> bool:
-    """True once the default process group of this process exists.
-
-    Example::
-
-        >>> is_initialized()
-        False
-    """
-    return dist.is_available() and dist.is_initialized()
-
-
-def init_process_group(device_type: str, *, timeout_s: float = 300.0) -> None:
-    """Create the default process group by env:// rendezvous, backend from ``device_type``.
-
-    Reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` (as set by
-    :func:`hyper_parallel.platform_torch.launch.run_distributed` or torchrun); on
-    accelerators it first makes ``LOCAL_RANK``'s device the current one.
-
-    Example::
-
-        >>> init_process_group("cpu", timeout_s=60)  # doctest: +SKIP
-    """
-    backend = backend_for(device_type)
-    if is_initialized():
-        raise RuntimeError(
-            f"init_process_group({device_type!r}): the default process group already exists "
-            f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()})"
-        )
-    missing = [name for name in _RENDEZVOUS_VARS if name not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"init_process_group({device_type!r}) needs the environment variables "
-            f"{_RENDEZVOUS_VARS}; missing {tuple(missing)}. Start the processes with "
-            f"hyper_parallel.platform_torch.launch.run_distributed or torchrun"
-        )
-    if timeout_s <= 0:
-        raise ValueError(f"init_process_group: timeout_s must be > 0, got {timeout_s}")
-    set_current_device(device_type)
-    dist.init_process_group(
-        backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
-    )
-
-
-def _require_initialized(what: str) -> None:
-    if not is_initialized():
-        raise RuntimeError(
-            f"{what} needs the default process group; call init_process_group(device_type) "
-            f"first or run under hyper_parallel.platform_torch.launch.run_distributed"
-        )
-
-
-def get_rank() -> int:
-    """Global rank of this process.
-
-    Example::
-
-        >>> get_rank()  # doctest: +SKIP
-        0
-    """
-    _require_initialized("get_rank()")
-    return dist.get_rank()
-
-
-def get_world_size() -> int:
-    """Number of processes in the default group.
-
-    Example::
-
-        >>> get_world_size()  # doctest: +SKIP
-        4
-    """
-    _require_initialized("get_world_size()")
-    return dist.get_world_size()
-
-
-@functools.cache
-def _new_group_keeps_order() -> bool:
-    return "sort_ranks" in inspect.signature(dist.new_group).parameters
-
-
-def default_group_timeout() -> timedelta | None:
-    """The timeout the default process group was created with (None when it cannot be read).
-
-    ``torch.distributed.new_group`` without a timeout gives a group torch's backend
-    default (30 minutes for gloo), not the default group's; :func:`new_group` passes this
-    one instead, so a stall on any group fails within what ``init_process_group`` was given.
-
-    Example::
-
-        >>> default_group_timeout()  # doctest: +SKIP
-        datetime.timedelta(seconds=180)
-    """
-    _require_initialized("default_group_timeout()")
-    group = dist.group.WORLD
-    assert group is not None
-    for device in group._device_types:  # the backends of the default group (gloo: cpu)
-        try:
-            timeout = group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout
-    return None
-
-
-@functools.cache
-def _new_group_has_desc() -> bool:
-    return "group_desc" in inspect.signature(dist.new_group).parameters
-
-
-def new_group(ranks: Sequence[int], *, description: str | None = None) -> ProcessGroup:
-    """A process group over global ``ranks`` whose group-rank ``i`` is ``ranks[i]``.
-
-    Collective over the default group: every rank calls it with the same ranks, in
-    the same order. On ranks outside ``ranks`` the result is a placeholder. The group
-    has the default group's timeout (:func:`default_group_timeout`), as torch's would
-    have had if it inherited it. ``description`` (e.g. "mesh axis 'dp' of ...") is the
-    group's torch ``group_desc``, named by a :class:`PeerLostError` on it.
-
-    Example::
-
-        >>> pairs = [new_group(r) for r in ([0, 1], [2, 3])]  # doctest: +SKIP
-    """
-    _require_initialized("new_group()")
-    world_size = dist.get_world_size()
-    members = [int(rank) for rank in ranks]
-    if not members:
-        raise ValueError("new_group: expected at least one rank, got []")
-    if len(set(members)) != len(members):
-        raise ValueError(f"new_group: ranks must be distinct, got {members}")
-    out_of_range = [rank for rank in members if not 0 <= rank < world_size]
-    if out_of_range:
-        raise ValueError(
-            f"new_group: ranks must be in [0, {world_size}) (the world size), "
-            f"got {out_of_range} in {members}"
-        )
-    timeout = default_group_timeout()
-    described: dict[str, Any] = {}
-    if description and _new_group_has_desc():
-        described["group_desc"] = description
-    if _new_group_keeps_order():
-        group = dist.new_group(ranks=members, timeout=timeout, sort_ranks=False, **described)
-    elif members == sorted(members):
-        group = dist.new_group(ranks=members, timeout=timeout, **described)
-    else:
-        raise ValueError(
-            f"new_group: torch {torch.__version__} always sorts group ranks; "
-            f"ranks must be ascending, got {members}"
-        )
-    return cast(ProcessGroup, group)
 
 
 # -- helpers -------------------------------------------------------------------

@@ -39,7 +39,8 @@ STACK_SIGNAL = signal.SIGUSR1
 
 # Frames of these files mean "inside torch.distributed": the rank has arrived and waits.
 _DISTRIBUTED = re.compile(
-    r"[/\\]torch[/\\]distributed[/\\]|[/\\]platform_torch[/\\](comm|platform|collectives)\.py$"
+    r"[/\\]torch[/\\]distributed[/\\]|"
+    r"[/\\]platform_torch[/\\](comm|_comm_errors|_comm_groups|platform|collectives)\.py$"
 )
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 # The frame every rank's body runs under (run_distributed's rank entry point).

@@ -1,41 +1,44 @@
 """``fully_shard``: torch's FSDP2 API over hp DTensors.
 
-The state of one ``fully_shard`` call (:class:`FSDPState`) owns one
-:class:`~hyper_parallel.dtensor.fsdp._param_group.FSDPParamGroup` and the hooks that
-drive it, as torch's ``FSDPState`` does:
-
-- forward pre-hook: all-gather the group (and the modules set to forward-prefetch);
-- forward post-hook: reshard if ``reshard_after_forward``, cast outputs, and hook the
-  outputs so that their first gradient re-all-gathers a resharded group (pre-backward);
-- a post-accumulate-grad hook on each unsharded parameter: when the group's last
-  gradient is there, one reduce-scatter writes the sharded gradients;
-- the root's callback at the end of backward (``queue_callback``) reduces the groups
-  whose parameters did not all get a gradient and resets the iteration.
+``fully_shard`` checks its arguments (:mod:`._arguments`), wraps each managed parameter
+in an :class:`~hyper_parallel.dtensor.fsdp._param_group.FSDPParam`, and hands the group
+to an :class:`~hyper_parallel.dtensor.fsdp._state.FSDPState`, whose hooks drive it; the
+module's class becomes ``FSDP<Original>`` (:class:`FSDPModule`), as torch's.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Literal, cast, overload
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_map
 
-from hyper_parallel.dtensor._tensor import DTensor
-from hyper_parallel.dtensor.device_mesh import DeviceMesh, _entered, _live_meshes, init_device_mesh
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.fsdp._api import MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.dtensor.fsdp._arguments import (
+    ShardPlacementFn,
+    _check_reshard_after_forward,
+    _device_of,
+    _fqn,
+    _joint_finder,
+    _managed_params,
+    _mesh_info,
+    _mesh_or_default,
+    _replaced_by_fully_shard,
+    _replaced_params,
+    _shard_dim,
+)
 from hyper_parallel.dtensor.fsdp._param_group import (
     FSDPParam,
     FSDPParamGroup,
-    MeshInfo,
-    Slot,
     spmd_layout,
 )
-from hyper_parallel.dtensor.placement_types import Placement, Shard
+from hyper_parallel.dtensor.fsdp._state import FSDPState, _roots, _state_of
+from hyper_parallel.dtensor.placement_types import Placement
 
 __all__ = [
     "FSDPModule",
@@ -45,138 +48,7 @@ __all__ = [
     "register_fsdp_forward_method",
 ]
 
-# Parameters fully_shard replaced (by id, with a weak reference to tell a reused id): an
-# optimizer still holding one was built too early.
-_replaced_params: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
-_default_mesh: DeviceMesh | None = None
 _optimizer_hook_installed = False
-
-
-class FSDPState:
-    """The hooks and flags of one ``fully_shard`` call over ``modules``."""
-
-    def __init__(
-        self,
-        modules: tuple[nn.Module, ...],
-        group: FSDPParamGroup,
-        mp: MixedPrecisionPolicy,
-        reshard_after_forward: bool,
-        auto_reshard: bool,
-    ) -> None:
-        self.modules = modules
-        self.group = group
-        self.mp = mp
-        self.reshard_after_forward = reshard_after_forward
-        self.auto_reshard = auto_reshard
-        self.is_root: bool | None = None
-        self.forward_prefetch: list[FSDPModule] = []
-        self.backward_prefetch: list[FSDPModule] = []
-        self.is_last_backward = True
-        self._forwarded: set[int] = set()
-        self._callback_queued = False
-        self._all_states: list[FSDPState] = []  # the root's: every state under it
-
-    # -- lazy init -------------------------------------------------------------------
-    def _lazy_init(self) -> None:
-        if self.is_root is not None:
-            return
-        # The first state to run forward is the root: the states under it are not.
-        self.is_root = True
-        states: list[FSDPState] = []
-        for module in self.modules:
-            for sub in module.modules():
-                state = _state_of(sub)
-                if state is not None and state not in states:
-                    states.append(state)
-        for state in states:
-            if state is not self:
-                state.is_root = False
-        if self.auto_reshard:
-            self.reshard_after_forward = False
-        self._all_states = states
-
-    # -- forward -----------------------------------------------------------------------
-    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        self._lazy_init()
-        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
-        self.group.unshard()
-        for other in self.forward_prefetch:
-            other._get_fsdp_state().group.unshard()
-        return args, kwargs
-
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        # fully_shard([a, b]): the group reshards once the last of its modules ran forward
-        self._forwarded.add(id(module))
-        if len(self._forwarded) >= len(self.modules):
-            self._forwarded.clear()
-            if self.reshard_after_forward:
-                self.group.reshard()
-        if torch.is_grad_enabled():
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
-        if self.mp.output_dtype is not None:
-            output = _cast_floats(output, self.mp.output_dtype)
-        return output
-
-    # -- backward ----------------------------------------------------------------------
-    def _pre_backward(self, _: torch.Tensor) -> None:
-        root = self._root()
-        if root is not None and not root._callback_queued:
-            root._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._post_backward_final)
-        if self.group.in_backward:
-            return
-        self.group.in_backward = True
-        self.group.unshard()
-        for other in self.backward_prefetch:
-            other._get_fsdp_state().group.unshard()
-
-    def _root(self) -> FSDPState | None:
-        if self.is_root:
-            return self
-        for state in _all_root_states():
-            if self in state._all_states:
-                return state
-        return None
-
-    def _post_backward_final(self) -> None:
-        self._callback_queued = False
-        for state in reversed(self._all_states):
-            group = state.group
-            if group.in_backward or group.is_unsharded:
-                group.post_backward()
-                if group.reshard_after_backward:
-                    group.reshard()
-            group.reset_backward()
-
-
-_roots: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _all_root_states() -> list[FSDPState]:
-    return [m._get_fsdp_state() for m in _roots]
-
-
-def _state_of(module: nn.Module) -> FSDPState | None:
-    state = getattr(module, "_hp_fsdp_state", None)
-    return state if isinstance(state, FSDPState) else None
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast_one(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-            return t.to(dtype)
-        return t
-
-    return tree_map(cast_one, tree)
 
 
 class UnshardHandle:
@@ -417,9 +289,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 # -- fully_shard --------------------------------------------------------------------------
 
 
-ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
-
-
 @overload
 def fully_shard(
     module: nn.Module,
@@ -559,252 +428,6 @@ def _post_hook(module: nn.Module, args: Any, output: Any) -> Any:
 def _reshard_hook(module: nn.Module, *args: Any) -> None:
     # state_dict() and load_state_dict() see the sharded DTensors, as torch's
     _own_state(module).group.reshard()
-
-
-def _mesh_or_default(device: torch.device | str | None) -> DeviceMesh:
-    """The entered mesh, else (as torch) a 1-D mesh over the world, built once."""
-    global _default_mesh
-    stack = _entered.get()
-    if stack:
-        return stack[-1]
-    if _default_mesh is None:
-        kind = torch.device(device).type if device is not None else "cpu"
-        if device is None and torch.cuda.is_available():
-            kind = "cuda"
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        _default_mesh = init_device_mesh(kind, (world,))
-    return _default_mesh
-
-
-def _mesh_info(mesh: DeviceMesh, where: str) -> MeshInfo:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"{where}: expected a hyper_parallel.dtensor.DeviceMesh, found {type(mesh).__name__}"
-        )
-    if mesh.ndim == 1:
-        return MeshInfo(mesh, 0, None)
-    if mesh.ndim == 2:
-        return MeshInfo(mesh, 1, 0)
-    raise ValueError(
-        f"{where}: expected a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), found "
-        f"{mesh.ndim}-D mesh {mesh.mesh_dim_names or mesh.shape}"
-    )
-
-
-def _device_of(mesh: DeviceMesh, device: torch.device | str | None, where: str) -> torch.device:
-    if mesh.device_type == "cpu":
-        dev = torch.device("cpu")
-    else:
-        module = getattr(torch, mesh.device_type)
-        dev = torch.device(mesh.device_type, module.current_device())
-    if device is not None and torch.device(device).type != dev.type:
-        raise ValueError(
-            f"{where}: device={device!r} is not the mesh's device type {mesh.device_type!r}"
-        )
-    return dev
-
-
-def _check_reshard_after_forward(value: bool | int | None, info: MeshInfo, where: str) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise ValueError(
-            f"{where}: reshard_after_forward should be None, a bool or an int, found {value!r}"
-        )
-    size = info.shard_size
-    axis = info.axis_name(info.shard_axis) or info.shard_axis
-    if value < 1 or value > size or size % value:
-        raise ValueError(
-            f"{where}: reshard_after_forward={value} must be a factor of the shard size {size} "
-            f"(mesh axis {axis!r})"
-        )
-    if value == 1:
-        return False
-    if value == size:
-        return True
-    raise NotImplementedError(
-        f"{where}: reshard_after_forward={value} (resharding to a smaller group than mesh axis "
-        f"{axis!r} of size {size}) is not supported; pass True, False or {size}"
-    )
-
-
-def _managed_params(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], where: str
-) -> dict[nn.Parameter, list[Slot]]:
-    """Each parameter this call manages and where it is registered (shared ones once)."""
-    known: set[int] = set()
-    for m in modules:
-        for p in m.parameters():
-            known.add(id(p))
-    missing = [p for p in ignored if id(p) not in known]
-    if missing:
-        raise ValueError(
-            f"{where}: ignored_params holds {len(missing)} parameter(s) of shape(s) "
-            f"{[tuple(p.shape) for p in missing]} that are not in the module(s)"
-        )
-    slots: dict[nn.Parameter, list[Slot]] = {}
-    elsewhere: dict[int, tuple[str, str]] = {}  # params of nested FSDP modules, by id
-    visited: set[int] = set()
-
-    def walk(m: nn.Module, prefix: str, top: bool) -> None:
-        if id(m) in visited:
-            return
-        visited.add(id(m))
-        state = _state_of(m)
-        if state is not None and not top:
-            for fp in state.group.params:
-                elsewhere[id(fp.sharded_param)] = (prefix or type(m).__name__, fp.fqn)
-            return
-        for name, param in m._parameters.items():
-            if param is None or param in ignored:
-                continue
-            slots.setdefault(param, []).append(Slot(m, name))
-        for name, child in m._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}.{name}" if prefix else name, False)
-
-    for m in modules:
-        walk(m, "", True)
-    for p, where_list in slots.items():
-        if id(p) in elsewhere:
-            owner, fqn = elsewhere[id(p)]
-            raise ValueError(
-                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
-                f"is also parameter {fqn!r} of FSDP module {owner!r}; a parameter shared by two "
-                "modules must go in one fully_shard([a, b]) call"
-            )
-    # a parameter an earlier fully_shard replaced, still registered here: it was shared
-    for p, where_list in slots.items():
-        replaced_in = _replaced_by_fully_shard(p)
-        if replaced_in is not None:
-            raise ValueError(
-                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
-                f"is shared with {replaced_in}, which already sharded it; a parameter shared by two "
-                "modules must go in one fully_shard([a, b]) call"
-            )
-    # a nested FSDP module's sharded parameter reached through another path is shared too
-    for m in modules:
-        for name, sub in m.named_modules():
-            if _state_of(sub) is None or sub is m:
-                continue
-            for p in slots:
-                for sp in sub._hp_fsdp_state.group.params:  # type: ignore[union-attr]
-                    if sp.sharded_param is p:
-                        raise ValueError(
-                            f"{where}: parameter {sp.fqn!r} is shared by FSDP module {name!r} "
-                            "and this call; a parameter shared by two modules must go in one "
-                            "fully_shard([a, b]) call"
-                        )
-    for p, where_list in slots.items():
-        if isinstance(p, DTensor) and p.device_mesh.ndim > 2:
-            raise ValueError(
-                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
-                f"is a DTensor on a {p.device_mesh.ndim}-D mesh; fully_shard composes with a 1-D "
-                "(TP or EP) or 2-D (EP x TP) mesh, as torch"
-            )
-        if isinstance(p, DTensor) and _cut_twice(p):
-            raise ValueError(
-                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
-                f"has placements {p.placements} on mesh {p.device_mesh.mesh_dim_names}: two "
-                "axes split the same dim; expected each dim split by one axis at most"
-            )
-        if isinstance(p, DTensor) and any(q.is_partial() for q in p.placements):
-            raise ValueError(
-                f"{where}: parameter {where_list[0].name!r} of {type(where_list[0].module).__name__} "
-                f"has placements {p.placements}; expected Shard or Replicate"
-            )
-    return slots
-
-
-def _cut_twice(p: DTensor) -> bool:
-    """Whether two mesh axes of more than one rank shard the same dim of ``p``."""
-    dims = [
-        q.dim
-        for i, q in enumerate(p.placements)
-        if isinstance(q, Shard) and p.device_mesh.size(i) > 1
-    ]
-    return len(dims) != len(set(dims))
-
-
-def _fqn(modules: tuple[nn.Module, ...], slot: Slot) -> str:
-    for m in modules:
-        for name, sub in m.named_modules():
-            if sub is slot.module:
-                return f"{name}.{slot.name}" if name else slot.name
-    return slot.name
-
-
-def _shard_dim(
-    param: nn.Parameter,
-    fn: ShardPlacementFn | None,
-    info: MeshInfo,
-    fqn: str,
-    where: str,
-) -> int:
-    placement = fn(param) if fn is not None else None
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise ValueError(
-            f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; expected a Shard or None"
-        )
-    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-    if not 0 <= dim < max(param.ndim, 1):
-        raise ValueError(
-            f"{where}: shard_placement_fn gave {placement!r} for {fqn!r} of {param.ndim} dim(s)"
-        )
-    if dim != 0:
-        local = param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
-        if local.shape[dim] % info.shard_size:
-            raise ValueError(
-                f"{where}: {fqn!r} sharded on dim {dim} needs its size {local.shape[dim]} to be "
-                f"divisible by the shard size {info.shard_size} (as torch)"
-            )
-    return dim
-
-
-def _joint_finder(
-    info: MeshInfo, param: nn.Parameter, where: str, fqn: str
-) -> Callable[[tuple[str, ...]], DeviceMesh]:
-    """Find the named mesh whose slices are the dp mesh and ``param``'s TP mesh."""
-
-    def find(names: tuple[str, ...]) -> DeviceMesh:
-        assert isinstance(param, DTensor)
-        tp_mesh = param.device_mesh
-        dp_names = info.mesh.mesh_dim_names
-        tp_names = tp_mesh.mesh_dim_names
-        if dp_names is None or tp_names is None or any(n is None for n in names):
-            raise ValueError(
-                f"{where}: {fqn!r} is a DTensor on mesh {tp_mesh}; composing FSDP with it needs "
-                f"named meshes (the fully_shard mesh has names {dp_names}, the parameter's {tp_names})"
-            )
-        if set(dp_names) & set(tp_names):
-            raise ValueError(
-                f"{where}: {fqn!r}: the fully_shard mesh {dp_names} and the parameter's mesh "
-                f"{tp_names} share an axis name; expected distinct axes of one mesh"
-            )
-        for mesh in list(_live_meshes.values()):
-            have = mesh.mesh_dim_names
-            if have is None or not set(names) <= set(have) or mesh.get_coordinate() is None:
-                continue
-            if mesh[dp_names] == info.mesh and mesh[tp_names] == tp_mesh:
-                return mesh[names]
-        raise ValueError(
-            f"{where}: {fqn!r} lives on mesh {tp_names} and FSDP's mesh is {dp_names}; expected "
-            f"both to be slices of one DeviceMesh with axes {names} (e.g. mesh['dp'] and mesh['tp'])"
-        )
-
-    return find
-
-
-def _replaced_by_fully_shard(p: torch.Tensor) -> str | None:
-    """Where fully_shard replaced ``p`` by a sharded parameter, or None."""
-    entry = _replaced_params.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    return entry[1]
 
 
 def _install_optimizer_check() -> None:
