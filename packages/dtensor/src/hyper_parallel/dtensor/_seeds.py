@@ -81,7 +81,6 @@ class _Stream:
     meshes: set[DeviceMesh] = field(default_factory=set)  # first op done in stream mode
     # the default generator's state before a forked op -> the stream state the op drew from
     replay: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
-    drawing: bool = False  # inside a draw (a nested random op draws as its outer one)
 
     def remember(self, before: bytes, drawn_from: torch.Tensor) -> None:
         self.replay[before] = drawn_from
@@ -261,38 +260,41 @@ def _draw_from_stream(mesh: DeviceMesh, device: torch.device, draw: Callable[[],
     stream = _seed_sync.streams.get(device.type)
     if stream is None:
         stream = _seed_sync.streams[device.type] = _Stream()
-    if stream.drawing:
-        return draw()
-    stream.drawing = True
-    try:
-        before = _generator_state(device)
-        before_bytes = _as_bytes(before)
-        if mesh in stream.meshes and _recomputing():
-            # the forward forked from this generator state, or drew in place from it
-            recorded = stream.replay.get(before_bytes)
-            return draw() if recorded is None else _forked(device, before, recorded, draw)[0]
-        if mesh in stream.meshes:
-            assert stream.state is not None  # set by the mesh's first op
-            source, source_bytes = stream.state, stream.state_bytes
-        else:
-            axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
-            mine = before if stream.state is None else stream.state
-            source = _first_rank_state(mine, mesh, axes, device) if axes else mine
-            source_bytes = _as_bytes(source)
-            stream.meshes.add(mesh)
-            stream.state, stream.state_bytes = source, source_bytes
-        if source_bytes == before_bytes:  # the steady state: one device's draw, in place
-            if stream.replay:
-                stream.replay.pop(before_bytes, None)  # a replay must draw in place here too
-            result = draw()
-            after = _generator_state(device)
-        else:
-            result, after = _forked(device, before, source, draw)
-            stream.remember(before_bytes, source)
-        stream.state, stream.state_bytes = after, _as_bytes(after)
+    before = _generator_state(device)
+    before_bytes: bytes = before.numpy().tobytes()
+    known = mesh in stream.meshes
+    if known and before_bytes == stream.state_bytes and not _recomputing():
+        # the steady state: nothing touched the generator since the last op; one device's draw
+        if stream.replay:
+            stream.replay.pop(before_bytes, None)  # a replay must draw in place here too
+        result = draw()
+        after = _generator_state(device)
+        stream.state, stream.state_bytes = after, after.numpy().tobytes()
         return result
-    finally:
-        stream.drawing = False
+    if known and _recomputing():
+        # the forward forked from this generator state, or drew in place from it
+        recorded = stream.replay.get(before_bytes)
+        return draw() if recorded is None else _forked(device, before, recorded, draw)[0]
+    if known:
+        assert stream.state is not None  # set by the mesh's first op
+        source, source_bytes = stream.state, stream.state_bytes
+    else:
+        axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
+        mine = before if stream.state is None else stream.state
+        source = _first_rank_state(mine, mesh, axes, device) if axes else mine
+        source_bytes = _as_bytes(source)
+        stream.meshes.add(mesh)
+        stream.state, stream.state_bytes = source, source_bytes
+    if source_bytes == before_bytes:
+        if stream.replay:
+            stream.replay.pop(before_bytes, None)
+        result = draw()
+        after = _generator_state(device)
+    else:
+        result, after = _forked(device, before, source, draw)
+        stream.remember(before_bytes, source)
+    stream.state, stream.state_bytes = after, _as_bytes(after)
+    return result
 
 
 def draw_aligned(
