@@ -37,7 +37,10 @@ rank, and later ops whose result is replicated along some axes check (one small
 all-reduce per such axis) that the ranks along them still agree, taking the first
 rank's state where a per-rank reseed split them. ``manual_seed`` (torch's
 ``manual_seed(seed, device_mesh)``) seeds this rank and turns this off: the caller
-vouches for the seeds. A user-passed ``generator=`` is never aligned (as torch).
+vouches for the seeds. ``set_random_sync("stream")`` (opt-in) replaces the per-op check
+by one agreed stream that later ops draw from with no collective (``_seeds.py``); every
+op here hands its draw to ``_seeds.draw_aligned`` as a closure, so that mode can run it
+in a fork of the generator. A user-passed ``generator=`` is never aligned (as torch).
 Memory per rank: the local shard, plus one piece of ``C`` elements (default
 ``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
 float32) when the shard is one contiguous run of the flat tensor (Shard(0),
