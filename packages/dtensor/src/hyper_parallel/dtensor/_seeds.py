@@ -63,9 +63,10 @@ T = TypeVar("T")
 
 RandomSync = Literal["check", "stream"]
 _MODES: tuple[RandomSync, ...] = ("check", "stream")
-# generator states a forked op started from, kept for activation-checkpoint replays: a
-# recompute replays a segment's ops within the same step, far fewer than this
-_REPLAY_CAPACITY = 256
+# forked ops remembered for activation-checkpoint replays: a recompute finds its forward's
+# entry if fewer forked ops ran in between (a few per layer and step); an entry is a 16-byte
+# key and a generator state (5 KB on CPU: 20 MB at most; 16 bytes on CUDA)
+_REPLAY_CAPACITY = 4096
 
 
 class RandomSeedWarning(UserWarning):
@@ -79,14 +80,24 @@ class _Stream:
     state: torch.Tensor | None = None  # the state the last DTensor random op left
     state_bytes: bytes = b""
     meshes: set[DeviceMesh] = field(default_factory=set)  # first op done in stream mode
-    # the default generator's state before a forked op -> the stream state the op drew from
+    # the default generator's state before a forked op (its digest) -> the state it drew from
     replay: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
 
     def remember(self, before: bytes, drawn_from: torch.Tensor) -> None:
-        self.replay[before] = drawn_from
-        self.replay.move_to_end(before)
+        key = _digest(before)
+        self.replay[key] = drawn_from
+        self.replay.move_to_end(key)
         if len(self.replay) > _REPLAY_CAPACITY:
             self.replay.popitem(last=False)
+
+    def recorded(self, before: bytes) -> torch.Tensor | None:
+        """The state a forked op met at ``before`` drew from, if remembered."""
+        return self.replay.get(_digest(before)) if self.replay else None
+
+    def forget(self, before: bytes) -> None:
+        """An op drew in place at ``before``: a replay must draw in place there too."""
+        if self.replay:
+            self.replay.pop(_digest(before), None)
 
 
 class _SeedSync:
@@ -173,6 +184,11 @@ def _as_bytes(state: torch.Tensor) -> bytes:
     return state.numpy().tobytes()  # type: ignore[no-any-return]
 
 
+def _digest(state_bytes: bytes) -> bytes:
+    """A 16-byte digest of a generator state's bytes (equal states, equal digests)."""
+    return hashlib.blake2b(state_bytes, digest_size=16).digest()
+
+
 def _fingerprint(state: torch.Tensor) -> int:
     """A 63-bit digest of a generator state (equal states, equal digests)."""
     digest = hashlib.blake2b(_as_bytes(state), digest_size=8).digest()
@@ -189,9 +205,16 @@ def _states_differ(state: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -
 
 
 def _first_rank_state(
-    state: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int], device: torch.device
+    state: torch.Tensor,
+    mesh: DeviceMesh,
+    axes: Sequence[int],
+    device: torch.device,
+    what: str = "default {} generator",
 ) -> torch.Tensor:
-    """The state of the first rank along ``axes`` (one broadcast each), warning where it differs."""
+    """The state of the first rank along ``axes`` (one broadcast each), warning where it differs.
+
+    ``what`` names ``state`` in the warning (``{}``: the device type).
+    """
     wire = get_platform().device_for(mesh.device_type)
     received = state.to(wire)
     for axis in axes:
@@ -204,7 +227,7 @@ def _first_rank_state(
         coordinate[axis] = 0
     first = int(mesh.mesh[tuple(coordinate)].item())
     warnings.warn(
-        f"hyper_parallel.dtensor: rank {mesh.get_rank()}'s default {device.type} generator "
+        f"hyper_parallel.dtensor: rank {mesh.get_rank()}'s {what.format(device.type)} "
         f"differed from rank {first}'s; DTensor random ops on {mesh} now draw from rank "
         f"{first}'s state, so replicas agree. Seed every rank with the same "
         "torch.manual_seed(...), or call hyper_parallel.dtensor.manual_seed(seed, mesh) "
@@ -265,29 +288,30 @@ def _draw_from_stream(mesh: DeviceMesh, device: torch.device, draw: Callable[[],
     known = mesh in stream.meshes
     if known and before_bytes == stream.state_bytes and not _recomputing():
         # the steady state: nothing touched the generator since the last op; one device's draw
-        if stream.replay:
-            stream.replay.pop(before_bytes, None)  # a replay must draw in place here too
+        stream.forget(before_bytes)
         result = draw()
         after = _generator_state(device)
         stream.state, stream.state_bytes = after, after.numpy().tobytes()
         return result
     if known and _recomputing():
         # the forward forked from this generator state, or drew in place from it
-        recorded = stream.replay.get(before_bytes)
+        recorded = stream.recorded(before_bytes)
         return draw() if recorded is None else _forked(device, before, recorded, draw)[0]
     if known:
         assert stream.state is not None  # set by the mesh's first op
         source, source_bytes = stream.state, stream.state_bytes
     else:
         axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
-        mine = before if stream.state is None else stream.state
-        source = _first_rank_state(mine, mesh, axes, device) if axes else mine
+        if stream.state is None:
+            mine, what = before, "default {} generator"
+        else:  # a mesh used later must not reset the stream other meshes rely on
+            mine, what = stream.state, "DTensor random stream ({})"
+        source = _first_rank_state(mine, mesh, axes, device, what) if axes else mine
         source_bytes = _as_bytes(source)
         stream.meshes.add(mesh)
         stream.state, stream.state_bytes = source, source_bytes
     if source_bytes == before_bytes:
-        if stream.replay:
-            stream.replay.pop(before_bytes, None)
+        stream.forget(before_bytes)
         result = draw()
         after = _generator_state(device)
     else:
