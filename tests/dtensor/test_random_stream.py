@@ -8,7 +8,8 @@ every later op draws from it with no collective, whatever each rank's generator 
 Everything runs in one launch of 4 ranks on a ``(dp, tp) = (2, 2)`` mesh, one script in
 each process: init on the tp, dp and 2-D meshes interleaved; a checkpointed block of two
 dropouts; dropouts of a ``Replicate()`` tensor around per-rank events; the checkpointed
-block again under per-rank seeds. Oracles: the same script on full tensors in one process
+block again under per-rank seeds; dp groups drawing different numbers of ops on their tp
+meshes (pipeline stages, say), then a mesh over all four ranks. Oracles: the same script on full tensors in one process
 (the per-rank events left out: stream mode ignores them), bitwise; replicas equal across
 ranks; ``CommDebugMode`` counts.
 """
@@ -64,11 +65,13 @@ class _Ranks:
 
     def __init__(self) -> None:
         self.mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        self.world = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
         self.rank = torch.distributed.get_rank()
         self.events = True
 
     def put(self, tensor: torch.Tensor, mesh: str, placements: tuple[str, ...]) -> torch.Tensor:
-        on = self.mesh if mesh == "2d" else self.mesh[mesh]
+        named = {"2d": self.mesh, "world": self.world}
+        on = named[mesh] if mesh in named else self.mesh[mesh]
         parsed = [hp.Replicate() if p == "R" else hp.Shard(int(p[1:])) for p in placements]
         return hp.distribute_tensor(tensor, on, parsed)
 
@@ -168,6 +171,28 @@ def _script(on: _Ranks) -> dict[str, Any]:
             torch.manual_seed(300 + rank)
 
     out.update(_blocks(on, "per-rank seeds", per_rank_seed))
+    out.update(_stages(on))
+    return out
+
+
+def _stages(on: _Ranks) -> dict[str, Any]:
+    """Stages with different histories on their own tp meshes, then a mesh all ranks share.
+
+    dp rank 0's tp mesh draws three dropouts, dp rank 1's one; the shared mesh's first op
+    syncs its first rank's stream (ranks that held another are warned), later ones do not.
+    """
+    out: dict[str, Any] = {}
+    x = on.put(torch.ones(4, 8), "tp", ("R",))
+    for _ in range(3 if on.rank // 2 == 0 else 1):
+        F.dropout(x, p=P_DROP, training=True)
+    shared = on.put(torch.ones(4, 8), "world", ("R",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for label in ("shared mesh, first op", "shared mesh, next op"):
+            with on.comm() as comm:
+                value = F.dropout(shared, p=P_DROP, training=True)
+            out[label] = {"value": on.full(value), "local": on.local(value), "comm": comm}
+    out["shared mesh warned"] = any(w.category is hp.RandomSeedWarning for w in caught)
     return out
 
 
@@ -243,6 +268,22 @@ def test_per_rank_seed_survives_forked_ops(four_ranks: list[dict[str, Any]]) -> 
         assert torch.equal(got["plain draw after"], torch.rand(3)), rank
     draws = [got["plain draw after"] for got in four_ranks]
     assert all(not torch.equal(draws[0], other) for other in draws[1:])
+
+
+def test_a_mesh_shared_after_different_histories_syncs_once(
+    four_ranks: list[dict[str, Any]], one_device: dict[str, Any]
+) -> None:
+    for rank, got in enumerate(four_ranks):
+        for label, want_comm in (
+            ("shared mesh, first op", {"broadcast": 1}),
+            ("shared mesh, next op", {}),
+        ):
+            mine = got[label]
+            assert mine["comm"] == want_comm, (rank, label, mine["comm"])
+            assert torch.equal(mine["local"], four_ranks[0][label]["local"]), (rank, label)
+            # rank 0's stream (dp rank 0's history, which the one-device script follows)
+            assert torch.equal(mine["value"], one_device[label]["value"]), (rank, label)
+        assert got["shared mesh warned"] == (rank >= 2), rank  # dp rank 1 drew fewer ops
 
 
 @pytest.mark.parametrize("label", ["same seeds", "per-rank seeds"])
