@@ -81,23 +81,39 @@ class _Stream:
     state_bytes: bytes = b""
     meshes: set[DeviceMesh] = field(default_factory=set)  # first op done in stream mode
     # the default generator's state before a forked op (its digest) -> the state it drew from
-    replay: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
+    replay: OrderedDict[bytes, tuple[bytes, torch.Tensor]] = field(default_factory=OrderedDict)
+    # how many entries of ``replay`` have each sketch: most lookups end here, without a digest
+    sketches: dict[bytes, int] = field(default_factory=dict)
 
     def remember(self, before: bytes, drawn_from: torch.Tensor) -> None:
-        key = _digest(before)
-        self.replay[key] = drawn_from
+        key, sketch = _digest(before), _sketch(before)
+        if key not in self.replay:
+            self.sketches[sketch] = self.sketches.get(sketch, 0) + 1
+        self.replay[key] = (sketch, drawn_from)
         self.replay.move_to_end(key)
         if len(self.replay) > _REPLAY_CAPACITY:
-            self.replay.popitem(last=False)
+            self._drop(next(iter(self.replay)))
 
     def recorded(self, before: bytes) -> torch.Tensor | None:
         """The state a forked op met at ``before`` drew from, if remembered."""
-        return self.replay.get(_digest(before)) if self.replay else None
+        if _sketch(before) not in self.sketches:
+            return None
+        entry = self.replay.get(_digest(before))
+        return None if entry is None else entry[1]
 
     def forget(self, before: bytes) -> None:
         """An op drew in place at ``before``: a replay must draw in place there too."""
-        if self.replay:
-            self.replay.pop(_digest(before), None)
+        if _sketch(before) in self.sketches:
+            key = _digest(before)
+            if key in self.replay:
+                self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        sketch, _ = self.replay.pop(key)
+        if self.sketches[sketch] == 1:
+            del self.sketches[sketch]
+        else:
+            self.sketches[sketch] -= 1
 
 
 class _SeedSync:
@@ -187,6 +203,16 @@ def _as_bytes(state: torch.Tensor) -> bytes:
 def _digest(state_bytes: bytes) -> bytes:
     """A 16-byte digest of a generator state's bytes (equal states, equal digests)."""
     return hashlib.blake2b(state_bytes, digest_size=16).digest()
+
+
+def _sketch(state_bytes: bytes) -> bytes:
+    """A cheap part of a generator state's bytes (equal states, equal sketches).
+
+    Its first and last 64 bytes: for torch's CPU generator the seed, the position in the
+    Mersenne twister's block and its first words, and the cached normal samples; all of
+    a CUDA generator's 16. States that differ almost always differ here.
+    """
+    return state_bytes[:64] + state_bytes[-64:]
 
 
 def _fingerprint(state: torch.Tensor) -> int:
