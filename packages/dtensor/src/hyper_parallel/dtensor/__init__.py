@@ -25,7 +25,7 @@ from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._factories import empty, full, ones, rand, randn, zeros
 from hyper_parallel.dtensor._layout import enforce_layout
 from hyper_parallel.dtensor._planning import FallbackError, FallbackWarning, strict_mode
-from hyper_parallel.dtensor._seeds import RandomSeedWarning, manual_seed
+from hyper_parallel.dtensor._seeds import RandomSeedWarning, manual_seed, set_random_sync
 from hyper_parallel.dtensor._spec import normalize_placements
 from hyper_parallel.dtensor._tensor import (
     DTensor,
@@ -83,6 +83,7 @@ __all__ = [
     "rand",
     "randn",
     "reset_fallback_counts",
+    "set_random_sync",
     "strict_mode",
     "zeros",
 ]

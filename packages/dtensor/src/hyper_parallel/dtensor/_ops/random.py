@@ -37,7 +37,10 @@ rank, and later ops whose result is replicated along some axes check (one small
 all-reduce per such axis) that the ranks along them still agree, taking the first
 rank's state where a per-rank reseed split them. ``manual_seed`` (torch's
 ``manual_seed(seed, device_mesh)``) seeds this rank and turns this off: the caller
-vouches for the seeds. A user-passed ``generator=`` is never aligned (as torch).
+vouches for the seeds. ``set_random_sync("stream")`` (opt-in) replaces the per-op check
+by one agreed stream that later ops draw from with no collective (``_seeds.py``); every
+op here hands its draw to ``_seeds.draw_aligned`` as a closure, so that mode can run it
+in a fork of the generator. A user-passed ``generator=`` is never aligned (as torch).
 Memory per rank: the local shard, plus one piece of ``C`` elements (default
 ``C = 2**18``) and its gathered copy, about ``2 * C * itemsize`` bytes (2 MiB for
 float32) when the shard is one contiguous run of the flat tensor (Shard(0),
@@ -65,12 +68,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hyper_parallel.dtensor._registry import register_special
-from hyper_parallel.dtensor._seeds import align_generators
+from hyper_parallel.dtensor._seeds import draw_aligned
 from hyper_parallel.dtensor._spec import (
     DTensorSpec,
     TensorMeta,
@@ -84,6 +87,8 @@ from hyper_parallel.dtensor.placement_types import Replicate, Shard, _StridedSha
 from hyper_parallel.platform import get_platform
 
 __all__ = ["generation_chunk"]
+
+T = TypeVar("T")
 
 aten = torch.ops.aten
 
@@ -267,11 +272,14 @@ def _shard_box(spec: DTensorSpec) -> _Box | None:
     return _Box(spec.shape, shape, offset)
 
 
-def _align_for(spec: DTensorSpec, device: torch.device, kwargs: dict[str, Any]) -> None:
-    """Before drawing ``spec``'s values: its replicas hold one generator state (a user's generator is theirs)."""
-    if kwargs.get("generator") is None:
-        replicated = [axis for axis, p in enumerate(spec.placements) if not p.is_shard()]
-        align_generators(spec.mesh, device, replicated)
+def _draw_for(
+    spec: DTensorSpec, device: torch.device, kwargs: dict[str, Any], draw: Callable[[], T]
+) -> T:
+    """``draw`` ``spec``'s values so that its replicas draw alike (a user's generator is theirs)."""
+    if kwargs.get("generator") is not None:
+        return draw()
+    replicated = [axis for axis, p in enumerate(spec.placements) if not p.is_shard()]
+    return draw_aligned(spec.mesh, device, replicated, draw)
 
 
 def fill_shard(
@@ -371,8 +379,8 @@ def _in_place_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             "Replicate. Redistribute the DTensor (e.g. .redistribute(placements=[Replicate()])) "
             "or fill a new one"
         )
-    _align_for(spec, self._local_tensor.device, kwargs)
-    fill_shard(self._local_tensor, spec, func, rest, kwargs)
+    local = self._local_tensor
+    _draw_for(spec, local.device, kwargs, lambda: fill_shard(local, spec, func, rest, kwargs))
     return self  # type: ignore[no-any-return]
 
 
@@ -401,8 +409,13 @@ def _like_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DTen
     box = _shard_box(out_spec)
     local_shape = box.shape if box is not None else (0,)
     local = torch.empty(local_shape, dtype=dtype, device=device)
-    _align_for(out_spec, torch.device(device), kwargs)
-    fill_shard(local, out_spec, fill_op, to_args(args[1:]), {"generator": generator})
+    fill_args = to_args(args[1:])
+    _draw_for(
+        out_spec,
+        torch.device(device),
+        kwargs,
+        lambda: fill_shard(local, out_spec, fill_op, fill_args, {"generator": generator}),
+    )
     return DTensor(local, out_spec)
 
 
@@ -433,10 +446,15 @@ def _seeded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         (a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)),
         None,
     )
-    if first is not None and kwargs.get("generator") is None:
-        mesh = first._spec.mesh
-        align_generators(mesh, first._local_tensor.device, range(mesh.ndim))
-    return dispatch_by_rules(func, args, kwargs)
+    if first is None or kwargs.get("generator") is not None:
+        return dispatch_by_rules(func, args, kwargs)
+    mesh = first._spec.mesh
+    return draw_aligned(
+        mesh,
+        first._local_tensor.device,
+        range(mesh.ndim),
+        lambda: dispatch_by_rules(func, args, kwargs),
+    )
 
 
 register_special(*_SEEDED_BY_RULES)(_seeded)
@@ -530,8 +548,10 @@ def _multinomial(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     out_spec = DTensorSpec(mesh, spec.placements, out_meta)
     if mesh.get_coordinate() is None:
         return DTensor(torch.empty(0, dtype=torch.int64, device=local.device), out_spec)
-    _align_for(out_spec, local.device, {})
-    return DTensor(_multinomial_draws(local, k, replacement, draw), out_spec)
+    samples = _draw_for(
+        out_spec, local.device, {}, lambda: _multinomial_draws(local, k, replacement, draw)
+    )
+    return DTensor(samples, out_spec)
 
 
 register_special(aten.multinomial.default)(_multinomial)
