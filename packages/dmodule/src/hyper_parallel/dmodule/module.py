@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 import torch
 
 from hyper_parallel.config import ConfigError, Configurable, enforce_module_config_slots
+from hyper_parallel.dmodule._config_stand_in import _inherited_config, _no_own_config_message
 from hyper_parallel.dmodule._forward import ForwardPlan
+from hyper_parallel.dmodule._parallel_forward import _parallel_class
 from hyper_parallel.dmodule._state_checks import (
     arm_state_check,
     mark_replaced,
-    meta_forward_message,
     snapshot_states,
     watch_fresh_states,
 )
@@ -47,8 +48,6 @@ ParamInit = Callable[[torch.Tensor], object]
 
 _M = TypeVar("_M", bound="Module")
 
-# Per original class, its subclass whose forward runs the ForwardPlan (see _parallel_class).
-_parallel_classes: dict[type, type] = {}
 # Per platform class, its Module wrapper (see Module.from_nn_module).
 _wrapped_classes: dict[type, type] = {}
 
@@ -518,91 +517,9 @@ def _missing_initializers(module: torch.nn.Module, path: str) -> list[str]:
     return problems
 
 
-def _parallel_class(cls: type) -> type:
-    """The subclass of ``cls`` whose ``forward`` runs the instance's :class:`ForwardPlan`.
-
-    Installing the wrapper at class level (rather than a closure stored on the
-    instance) leaves no reference cycle, survives ``copy.deepcopy`` and also covers
-    direct ``module.forward(...)`` calls.
-    """
-    if getattr(cls, "_hp_parallel_base", None) is not None:
-        return cls
-    cached = _parallel_classes.get(cls)
-    if cached is not None:
-        return cached
-    base_forward = cast("Callable[..., Any]", getattr(cls, "forward"))  # noqa: B009
-
-    def forward(self: Module, *args: Any, **kwargs: Any) -> Any:
-        plan = self._hp_forward_plan
-        assert plan is not None
-        if self._hp_states_on_meta:
-            _refuse_meta_forward(self, args, kwargs)
-        if plan.local_map:
-            return plan.call_local(self, base_forward, args, kwargs)
-        args, kwargs = plan.prepare_inputs(args, kwargs)
-        return plan.finish_outputs(base_forward(self, *args, **kwargs))
-
-    forward.__doc__ = base_forward.__doc__
-    forward.__wrapped__ = base_forward  # type: ignore[attr-defined]
-    new_cls = type(
-        cls.__name__,
-        (cls,),
-        {
-            "forward": forward,
-            "_hp_parallel_base": cls,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-        },
-    )
-    _parallel_classes[cls] = new_cls
-    return new_cls
-
-
 def _describe_init(init: object) -> str:
     name = getattr(init, "__qualname__", None) or getattr(init, "__name__", None)
     return str(name) if name else repr(init)
-
-
-def _refuse_meta_forward(module: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise unless the inputs are meta too (a meta forward, e.g. to trace shapes, is fine)."""
-    inputs = [*args, *kwargs.values()]
-    real = [x for x in inputs if isinstance(x, torch.Tensor) and not x.is_meta]
-    if real:
-        names = states_on_meta(module, recurse=False)
-        raise RuntimeError(meta_forward_message(type(module).__name__, names, real[0].device))
-
-
-def _inherited_config(cls: type) -> type:
-    """A stand-in ``cls.Config`` for a Module subclass that declares none: its build() raises."""
-    parent: type = cls.Config  # type: ignore[attr-defined]  # the inherited one
-    namespace = {
-        "__module__": cls.__module__,
-        "__qualname__": f"{cls.__qualname__}.Config",
-        "__doc__": f"Stand-in: {cls.__name__} declares no Config of its own.",
-        "_hp_inherited_by": cls,
-    }
-    stand_in = type("Config", (parent,), namespace)
-    return dataclass(kw_only=True, slots=True)(stand_in)
-
-
-def _no_own_config_message(cls: type, config_cls: type) -> str:
-    parent = config_cls.__mro__[1]
-    parent_owner = getattr(parent, "_hp_owner", None)
-    built = parent_owner.__name__ if isinstance(parent_owner, type) else "nothing"
-    if cls.__dict__.get("_hp_wrapped_nn") is not None:
-        nn_cls = cls.__dict__["_hp_wrapped_nn"]
-        return (
-            f"Module.from_nn_module({nn_cls.__module__}.{nn_cls.__qualname__}) has no Config to "
-            f"build from: construct it with its own arguments ({cls.__name__}(...)), and declare "
-            f"its sharding in its parent's ShardingConfig with dotted state paths (e.g. "
-            f"state_shardings={{'proj.weight': {{'tp': Shard(0)}}}})"
-        )
-    return (
-        f"{cls.__qualname__} declares no Config of its own, so {cls.__name__}.Config().build() "
-        f"would build {built}, not {cls.__name__}; declare "
-        f"`@dataclass(kw_only=True, slots=True) class Config({parent.__qualname__})` inside "
-        f"{cls.__name__}"
-    )
 
 
 # The platform's containers as Modules. They are written out as classes, not made by

@@ -1,12 +1,14 @@
 """Parallel styles: how one module's parameters are sharded and its inputs/outputs laid out.
 
 Names, arguments and behaviour are ``torch.distributed.tensor.parallel``'s; the
-tensors are hp DTensors.
+tensors are hp DTensors. The styles that shard parameters (``ColwiseParallel``,
+``RowwiseParallel``, ``SequenceParallel``) live here; the base ``ParallelStyle`` in
+``_parallel_style`` and the run-time layout styles (``PrepareModule*``) in
+``_prepare_module``, re-exported from here.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +20,12 @@ from hyper_parallel.dtensor._distribute_module import distribute_module
 from hyper_parallel.dtensor._tensor import DTensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.parallel._local_linear import local_linear_applies, use_local_linear
+from hyper_parallel.dtensor.parallel._parallel_style import Layouts, ParallelStyle, _check_1d
+from hyper_parallel.dtensor.parallel._prepare_module import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+)
 from hyper_parallel.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
@@ -29,42 +37,6 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
 ]
-
-Layouts = tuple[Placement | None, ...]
-
-
-class ParallelStyle(ABC):
-    """How :func:`parallelize_module` parallelizes one module (subclass it for a custom style).
-
-    ``src_data_rank`` is the rank whose values ``distribute_tensor`` scatters
-    (``parallelize_module`` sets it); ``None``: each rank slices its own copy.
-
-    Example::
-
-        class Replicated(ParallelStyle):
-            def _apply(self, module, device_mesh):
-                return distribute_module(module, device_mesh)
-    """
-
-    src_data_rank: int | None = 0
-
-    @abstractmethod
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module: ...
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:  # noqa: B027
-        """Raise if this style cannot be applied to ``module`` (called before any change).
-
-        Optional for a custom style: the default accepts every module.
-        """
-
-
-def _check_1d(style: ParallelStyle, mesh: DeviceMesh, where: str) -> None:
-    if mesh.ndim != 1:
-        names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
-        raise ValueError(
-            f"{type(style).__name__} on {where}: expected a 1-D DeviceMesh, found a "
-            f"{mesh.ndim}-D mesh{names}; pass a slice of it, e.g. mesh['tp']"
-        )
 
 
 def _check_fresh(module: nn.Module, where: str) -> None:
@@ -378,268 +350,4 @@ class SequenceParallel(ParallelStyle):
         return (
             f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "  # type: ignore[union-attr]
             f"use_local_output={self.use_local_output})"
-        )
-
-
-def _as_layouts(value: Placement | Sequence[Placement | None] | None) -> Layouts | None:
-    if value is None:
-        return None
-    if isinstance(value, Placement):
-        return (value,)
-    return tuple(value)
-
-
-class PrepareModuleInput(ParallelStyle):
-    """Lay out a module's inputs at run time (no parameter changes).
-
-    Each positional input with a layout in ``input_layouts`` becomes a DTensor of that
-    layout (a plain tensor is taken as its shard), then is redistributed to the
-    matching entry of ``desired_input_layouts``; ``None`` leaves an input as it is.
-    Keyword inputs alike with ``input_kwarg_layouts`` / ``desired_input_kwarg_layouts``.
-    ``use_local_output=True`` passes local tensors on.
-
-    Example::
-
-        PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-    """
-
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | Sequence[Placement | None] | None = None,
-        desired_input_layouts: Placement | Sequence[Placement | None] | None = None,
-        input_kwarg_layouts: dict[str, Placement] | None = None,
-        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
-        use_local_output: bool = False,
-    ) -> None:
-        self.input_layouts = _as_layouts(input_layouts)
-        self.desired_input_layouts = _as_layouts(desired_input_layouts)
-        self.use_local_output = use_local_output
-        if self.input_layouts is not None:
-            if self.desired_input_layouts is None:
-                raise ValueError(
-                    "PrepareModuleInput: input_layouts is given, so desired_input_layouts is "
-                    "required (one entry per input)"
-                )
-            if len(self.input_layouts) != len(self.desired_input_layouts):
-                raise ValueError(
-                    f"PrepareModuleInput: input_layouts has {len(self.input_layouts)} entries, "
-                    f"desired_input_layouts {len(self.desired_input_layouts)}; expected the same"
-                )
-        self.with_kwargs = input_kwarg_layouts is not None
-        self.input_kwarg_layouts = input_kwarg_layouts or {}
-        self.desired_input_kwarg_layouts = desired_input_kwarg_layouts or {}
-        if self.with_kwargs and len(self.input_kwarg_layouts) != len(
-            self.desired_input_kwarg_layouts
-        ):
-            raise ValueError(
-                f"PrepareModuleInput: input_kwarg_layouts has {len(self.input_kwarg_layouts)} "
-                f"entries, desired_input_kwarg_layouts {len(self.desired_input_kwarg_layouts)}; "
-                "expected the same"
-            )
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:
-        _check_1d(self, device_mesh, where)
-
-    def _prepare_input_arg(
-        self,
-        value: Any,
-        mesh: DeviceMesh,
-        layout: Placement | None,
-        desired: Placement | None,
-        where: str,
-    ) -> Any:
-        if layout is None:
-            return value
-        if isinstance(value, DTensor):
-            dt = value
-        elif isinstance(value, torch.Tensor):
-            dt = DTensor.from_local(value, mesh, (layout,), run_check=False)
-        else:
-            raise TypeError(
-                f"PrepareModuleInput: {where} has layout {layout!r}, so a torch.Tensor is "
-                f"expected; found {type(value).__name__}"
-            )
-        if desired is not None and layout != desired:
-            dt = dt.redistribute(placements=(desired,))
-        return dt.to_local() if self.use_local_output else dt
-
-    def _prepare_inputs(self, inputs: Any, mesh: DeviceMesh) -> Any:
-        if self.input_layouts is None:
-            return inputs
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        if len(inputs) != len(self.input_layouts):
-            raise ValueError(
-                f"PrepareModuleInput: the module got {len(inputs)} positional input(s), "
-                f"input_layouts has {len(self.input_layouts)}; expected the same"
-            )
-        assert self.desired_input_layouts is not None  # checked in __init__
-        return tuple(
-            self._prepare_input_arg(value, mesh, layout, desired, f"input {i}")
-            for i, (value, layout, desired) in enumerate(
-                zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
-            )
-        )
-
-    def _prepare_kwargs(
-        self, inputs: Any, kwargs: dict[str, Any], mesh: DeviceMesh
-    ) -> tuple[Any, dict[str, Any]]:
-        prepared = {
-            key: self._prepare_input_arg(
-                value,
-                mesh,
-                self.input_kwarg_layouts.get(key),
-                self.desired_input_kwarg_layouts.get(key),
-                f"keyword input {key!r}",
-            )
-            for key, value in kwargs.items()
-        }
-        return self._prepare_inputs(inputs, mesh), prepared
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.with_kwargs:
-            module.register_forward_pre_hook(
-                lambda _, inputs, kwargs: self._prepare_kwargs(inputs, kwargs, device_mesh),
-                with_kwargs=True,
-            )
-        else:
-            module.register_forward_pre_hook(
-                lambda _, inputs: self._prepare_inputs(inputs, device_mesh)
-            )
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
-            f"desired_input_layouts={self.desired_input_layouts}, "
-            f"input_kwarg_layouts={self.input_kwarg_layouts}, "
-            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, "
-            f"use_local_output={self.use_local_output})"
-        )
-
-
-class PrepareModuleOutput(ParallelStyle):
-    """Lay out a module's outputs at run time (no parameter changes).
-
-    Each output with a layout in ``output_layouts`` becomes a DTensor of that layout
-    (a plain tensor is taken as its shard) and is redistributed to the matching entry
-    of ``desired_output_layouts``; ``None`` leaves an output as it is. Plain local
-    tensors are returned when ``use_local_output`` (the default).
-
-    Example::
-
-        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-    """
-
-    def __init__(
-        self,
-        *,
-        output_layouts: Placement | Sequence[Placement | None],
-        desired_output_layouts: Placement | Sequence[Placement],
-        use_local_output: bool = True,
-    ) -> None:
-        self.output_layouts: Layouts = _as_layouts(output_layouts) or ()
-        self.desired_output_layouts: Layouts = _as_layouts(desired_output_layouts) or ()
-        self.use_local_output = use_local_output
-        if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ValueError(
-                f"PrepareModuleOutput: output_layouts has {len(self.output_layouts)} entries, "
-                f"desired_output_layouts {len(self.desired_output_layouts)}; expected the same"
-            )
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:
-        _check_1d(self, device_mesh, where)
-
-    def _prepare_outputs(self, outputs: Any, mesh: DeviceMesh) -> Any:
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
-        if len(outputs) != len(self.output_layouts):
-            raise ValueError(
-                f"PrepareModuleOutput: the module returned {len(outputs)} output(s), "
-                f"output_layouts has {len(self.output_layouts)}; expected the same"
-            )
-        prepared: list[Any] = []
-        for out, layout, desired in zip(
-            outputs, self.output_layouts, self.desired_output_layouts, strict=True
-        ):
-            if layout is None:
-                prepared.append(out)
-                continue
-            dt = out if isinstance(out, DTensor) else DTensor.from_local(out, mesh, (layout,))
-            if layout != desired:
-                dt = dt.redistribute(placements=(desired,))  # type: ignore[arg-type]
-            prepared.append(dt.to_local() if self.use_local_output else dt)
-        return prepared[0] if len(prepared) == 1 else tuple(prepared)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(
-            lambda _, inputs, outputs: self._prepare_outputs(outputs, device_mesh)
-        )
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(output_layouts={self.output_layouts}, "
-            f"desired_output_layouts={self.desired_output_layouts}, "
-            f"use_local_output={self.use_local_output})"
-        )
-
-
-class PrepareModuleInputOutput(ParallelStyle):
-    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module.
-
-    ``use_local_input`` is the input side's ``use_local_output``.
-
-    Example::
-
-        PrepareModuleInputOutput(
-            input_layouts=Shard(0), desired_input_layouts=Replicate(),
-            output_layouts=Replicate(), desired_output_layouts=Shard(0),
-        )
-    """
-
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | Sequence[Placement | None] | None = None,
-        desired_input_layouts: Placement | Sequence[Placement | None] | None = None,
-        input_kwarg_layouts: dict[str, Placement] | None = None,
-        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
-        use_local_input: bool = False,
-        output_layouts: Placement | Sequence[Placement | None],
-        desired_output_layouts: Placement | Sequence[Placement],
-        use_local_output: bool = True,
-    ) -> None:
-        self.prepare_module_input = PrepareModuleInput(
-            input_layouts=input_layouts,
-            desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_input,
-        )
-        self.prepare_module_output = PrepareModuleOutput(
-            output_layouts=output_layouts,
-            desired_output_layouts=desired_output_layouts,
-            use_local_output=use_local_output,
-        )
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh, where: str) -> None:
-        _check_1d(self, device_mesh, where)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.prepare_module_input._apply(module, device_mesh)
-        self.prepare_module_output._apply(module, device_mesh)
-        return module
-
-    def __repr__(self) -> str:
-        i, o = self.prepare_module_input, self.prepare_module_output
-        return (
-            f"{type(self).__name__}(input_layouts={i.input_layouts}, "
-            f"desired_input_layouts={i.desired_input_layouts}, "
-            f"input_kwarg_layouts={i.input_kwarg_layouts}, "
-            f"desired_input_kwarg_layouts={i.desired_input_kwarg_layouts}, "
-            f"use_local_input={i.use_local_output}, output_layouts={o.output_layouts}, "
-            f"desired_output_layouts={o.desired_output_layouts}, "
-            f"use_local_output={o.use_local_output})"
         )
