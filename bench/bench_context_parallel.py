@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench.*`` importable fr
 
 import torch
 
-from hyper_parallel.dmodule import context_parallel as cpmod
+from hyper_parallel.dmodule import _ring_attention as cpmod
 from hyper_parallel.dmodule.context_parallel import (
     CP_ALGORITHMS,
     TokenLayout,
