@@ -319,3 +319,54 @@ def test_set_random_sync_rejects_an_unknown_mode_and_keeps_the_current_one() -> 
     with pytest.raises(ValueError, match=r"expected one of \['check', 'stream'\], found 'steam'"):
         hp.set_random_sync("steam")  # type: ignore[arg-type]
     assert hp.set_random_sync("check") == "check"
+
+
+def _forget_forks(budget_states: int) -> dict[str, Any]:
+    """Per-rank seed on a 1-rank mesh: every dropout forks; room for ``budget_states`` states."""
+    from hyper_parallel.dtensor import _seeds
+
+    torch.set_num_threads(1)
+    state_bytes = torch.get_rng_state().numel()
+    _seeds._REPLAY_BYTES = budget_states * state_bytes  # a small memory, same rule
+    mesh = hp.init_device_mesh("cpu", (1,))
+    x = hp.distribute_tensor(torch.ones(4, 4), mesh, [hp.Replicate()])
+    w = hp.distribute_tensor(torch.ones(4, 4), mesh, [hp.Replicate()]).requires_grad_()
+    previous = hp.set_random_sync("stream")
+    out: dict[str, Any] = {}
+    try:
+        F.dropout(x, p=P_DROP, training=True)  # the mesh's first op starts the stream
+        torch.manual_seed(7)  # from here on the rank's generator is not the stream: ops fork
+
+        def block() -> torch.Tensor:
+            return F.dropout(x * w, p=P_DROP, training=True)
+
+        for label, forks_before_backward in (("within memory", 0), ("forgotten", budget_states)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                w.grad = None
+                kept = checkpoint(block, use_reentrant=False)  # its mask: drawn here, forked
+                for _ in range(forks_before_backward):
+                    F.dropout(x, p=P_DROP, training=True)
+                kept.sum().backward()
+                assert w.grad is not None
+                out[label] = {
+                    "forward": kept.to_local().detach().clone(),
+                    "grad": w.grad.to_local().clone(),
+                    "warned": [
+                        str(c.message) for c in caught if c.category is hp.RandomSeedWarning
+                    ],
+                }
+    finally:
+        hp.set_random_sync(previous)
+    return out
+
+
+def test_a_recompute_beyond_the_memory_of_forked_ops_is_warned_about_once() -> None:
+    (got,) = run_on_ranks(_forget_forks, 1, 3, timeout_s=120.0)
+    within = got["within memory"]
+    # the recomputed mask is the forward's: the gradient is the forward's output (x = w = 1)
+    assert torch.equal(within["grad"], within["forward"])
+    assert within["warned"] == []
+    forgotten = got["forgotten"]
+    (message,) = forgotten["warned"]  # once, when the first entry is dropped
+    assert "activation-checkpoint recompute" in message and "remembers the last 3" in message

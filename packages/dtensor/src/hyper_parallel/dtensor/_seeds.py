@@ -63,10 +63,11 @@ T = TypeVar("T")
 
 RandomSync = Literal["check", "stream"]
 _MODES: tuple[RandomSync, ...] = ("check", "stream")
-# forked ops remembered for activation-checkpoint replays: a recompute finds its forward's
-# entry if fewer forked ops ran in between (a few per layer and step); an entry is a 16-byte
-# key and a generator state (5 KB on CPU: 20 MB at most; 16 bytes on CUDA)
-_REPLAY_CAPACITY = 4096
+# forked ops remembered for activation-checkpoint replays, bounded by the bytes of the states
+# they hold: a recompute finds its forward's entry if fewer forked ops ran in between
+# (dropouts x layers x microbatches in flight). CPU states are 5 KB (12,800 entries), CUDA's
+# 16 bytes (4M entries); the first entry dropped warns (RandomSeedWarning), once.
+_REPLAY_BYTES = 64 * 2**20
 
 
 class RandomSeedWarning(UserWarning):
@@ -84,6 +85,7 @@ class _Stream:
     replay: OrderedDict[bytes, tuple[bytes, torch.Tensor]] = field(default_factory=OrderedDict)
     # how many entries of ``replay`` have each sketch: most lookups end here, without a digest
     sketches: dict[bytes, int] = field(default_factory=dict)
+    dropped_any: bool = False  # an entry was dropped for room (warned once)
 
     def remember(self, before: bytes, drawn_from: torch.Tensor) -> None:
         key, sketch = _digest(before), _sketch(before)
@@ -91,8 +93,20 @@ class _Stream:
             self.sketches[sketch] = self.sketches.get(sketch, 0) + 1
         self.replay[key] = (sketch, drawn_from)
         self.replay.move_to_end(key)
-        if len(self.replay) > _REPLAY_CAPACITY:
+        if len(self.replay) * (drawn_from.numel() * drawn_from.element_size()) > _REPLAY_BYTES:
             self._drop(next(iter(self.replay)))
+            if not self.dropped_any:
+                self.dropped_any = True
+                warnings.warn(
+                    f"hyper_parallel.dtensor: stream mode remembers the last {len(self.replay)} "
+                    "DTensor random ops that drew apart from this rank's generator (it was "
+                    "reseeded per rank or drew on its own); an activation-checkpoint recompute "
+                    "of an older one would draw other numbers than its forward. Seed every rank "
+                    "alike (then no op forks), or use manual_seed(seed, mesh) or "
+                    'set_random_sync("check")',
+                    RandomSeedWarning,
+                    stacklevel=5,
+                )
 
     def recorded(self, before: bytes) -> torch.Tensor | None:
         """The state a forked op met at ``before`` drew from, if remembered."""
