@@ -347,7 +347,7 @@ def _forget_forks(budget_states: int) -> dict[str, Any]:
                 kept = checkpoint(block, use_reentrant=False)  # its mask: drawn here, forked
                 for _ in range(forks_before_backward):
                     F.dropout(x, p=P_DROP, training=True)
-                kept.sum().backward()
+                kept.sum().backward()  # type: ignore[no-untyped-call]
                 assert w.grad is not None
                 out[label] = {
                     "forward": kept.to_local().detach().clone(),
