@@ -49,8 +49,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _train(
     model: Llama, dp_mesh: DeviceMesh | None = None, record: bool = True
 ) -> list[dict[str, Any]]:
-    """3 AdamW steps; per step the loss (averaged over ``dp_mesh``), full gradients, params
-    after the step and the count of each kind of collective."""
+    """3 AdamW steps (the second on packed documents); per step the loss (averaged over
+    ``dp_mesh``), full gradients, params after the step and the count of each collective."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     dp = dp_mesh.size() if dp_mesh is not None else 1
     index = dp_mesh.get_local_rank(0) if dp_mesh is not None else 0
@@ -58,9 +58,13 @@ def _train(
     out = []
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
+        # the middle step packs documents: the blocks pass their TokenLayout to attention
+        documents = (torch.arange(SEQ) >= torch.arange(2, 2 + BATCH)[:, None]).long()
         with CommDebugMode() as comm:
-            loss = model.loss(tokens[rows], targets[rows])
-            loss.backward()
+            loss = model.loss(
+                tokens[rows], targets[rows], document_ids=documents[rows] if step == 1 else None
+            )
+            torch.autograd.backward(loss)
         value = _full(loss)
         if dp_mesh is not None:
             value = get_platform().all_reduce(value, dp_mesh.get_group(0), "avg")
@@ -153,7 +157,11 @@ def _fsdp_tp_runs() -> dict[str, Any]:
         source, result[f"one_{sp}"] = _one_process(_tiny(sequence_parallel=sp))
         region = _tiny(use_local_map=True, region_blocks=True, sequence_parallel=sp)
         result[f"region_{sp}"] = _parallel_run(
-            region, source, mesh, {"activation_checkpoint": "full"} if sp else None, mesh["dp_shard"]
+            region,
+            source,
+            mesh,
+            {"activation_checkpoint": "full"} if sp else None,
+            mesh["dp_shard"],
         )
     return result
 

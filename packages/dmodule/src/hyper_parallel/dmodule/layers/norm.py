@@ -17,7 +17,9 @@ from hyper_parallel.dtensor import Partial
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-def _local_norm_sharding(states: tuple[str, ...], sequence_parallel: bool = False) -> ShardingConfig:
+def _local_norm_sharding(
+    states: tuple[str, ...], sequence_parallel: bool = False
+) -> ShardingConfig:
     """Replicated weights, the norm on plain local tensors (``local_map``).
 
     A handful of element-wise ops that need no communication, so no per-op dispatch.
