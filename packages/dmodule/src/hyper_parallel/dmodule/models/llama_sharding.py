@@ -18,6 +18,9 @@ them (SP: ``sequence_parallel``; LM: ``use_local_map``):
   its boundaries are attention's.
 - ``output``: weight ``Shard(0)`` (vocabulary); x ``Replicate`` (all-gathered with SP);
   the logits stay ``Shard(-1)`` into the loss-parallel ``cross_entropy``.
+- ``region_blocks`` (with LM): each block one outer ``local_map`` region over the residual
+  stream (``Replicate``; SP: ``Shard(1)``), its norms (``local_map`` in either layout),
+  attention and feed-forward inner regions: the residual adds are plain torch.
 
 With ``vocab_parallel=False`` the embedding and the output hold their whole weights
 (``Replicate``) and the logits are replicated. The projections' own layouts are those
