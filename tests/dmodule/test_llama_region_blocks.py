@@ -4,8 +4,9 @@ attention and feed-forward inner regions, the residual stream plain local tensor
 Oracles: one process on the full tensors (the same Config without any parallelism, the
 same init and batches) trained the same 3 AdamW steps; and the same model with
 ``use_local_map`` alone (DTensors between the regions), which must issue the same
-collectives per step. Tensor parallel, sequence parallel, FSDP x TP (4 ranks) and full
-activation checkpointing of the blocks; the layouts it does not compose with are refused.
+collectives per step. Tensor parallel, sequence parallel, activation checkpointing of
+the blocks, packed documents; on 4 ranks TP composed with FSDP, context parallelism and
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests._tolerance import assert_close_to_scale
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule import ParallelDims
+from hyper_parallel.dmodule.layers import TransformerBlock
 from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama, pipeline_llama
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dtensor import CommDebugMode, DeviceMesh, DTensor, init_device_mesh
@@ -95,14 +97,20 @@ def _parallel_run(
     model = config.build()
     model.load_state_dict(source.state_dict())
     parallelize_llama(model, mesh, job_config)
-    seen: set[str] = set()  # what the block hands its parts (forward pre-hooks see the call)
-    for part in ("attention_norm", "attention", "ffn_norm", "feed_forward"):
-        model.layers[0].get_submodule(part).register_forward_pre_hook(
-            lambda _, args: seen.add(type(args[0]).__name__)
-        )
+    seen = _watch_block_parts(model)
     steps = _train(model, dp_mesh)
     steps[0]["parts_receive"] = sorted(seen)
     return steps
+
+
+def _watch_block_parts(model: torch.nn.Module) -> set[str]:
+    """The type names of what the first block in ``model`` hands its parts, as they are called
+    (forward pre-hooks see the call, before a region takes anything local)."""
+    seen: set[str] = set()
+    block = next(m for m in model.modules() if isinstance(m, TransformerBlock))
+    for part in (block.attention_norm, block.attention, block.ffn_norm, block.feed_forward):
+        part.register_forward_pre_hook(lambda _, args: seen.add(type(args[0]).__name__))
+    return seen
 
 
 def _one_process(config: Llama.Config) -> tuple[Llama, list[dict[str, Any]]]:
@@ -128,41 +136,62 @@ def _tp_runs() -> dict[str, Any]:
         dims = ParallelDims(dp_shard=1, tp=2) if sp else mesh
         result[f"region_{sp}"] = _parallel_run(region, source, dims)
         result[f"local_map_{sp}"] = _parallel_run(local_map, source, mesh)
-        result[f"region_ac_{sp}"] = _parallel_run(
-            region, source, mesh, {"activation_checkpoint": "full"}
-        )
-    result["cp_refusal"] = _cp_refusal()
+        for mode in ("full", "selective"):
+            result[f"region_{mode}_ac_{sp}"] = _parallel_run(
+                region, source, mesh, {"activation_checkpoint": mode}
+            )
     return result
 
 
-def _cp_refusal() -> tuple[str, bool]:
-    """The error of parallelizing region_blocks over ``cp``; whether the model stayed plain."""
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    model = _tiny(use_local_map=True, region_blocks=True).build()
-    try:
-        parallelize_llama(model, mesh)
-    except ValueError as error:
-        untouched = model.context_parallel is None and not any(
-            isinstance(p, DTensor) for p in model.parameters()
+def _pipeline_run(config: Llama.Config, dims: ParallelDims) -> dict[str, Any]:
+    """This rank's stage of a 2-stage pipeline (2 microbatches), trained as :func:`_train`:
+    its init, and per step the loss (last stage only), its gradients and params."""
+    with torch.device("meta"):
+        model = config.build()
+    pipe = pipeline_llama(model, dims, {"pipeline": {"schedule": "1F1B", "n_microbatches": 2}})
+    torch.manual_seed(0)  # as _one_process: a pipeline's init equals one process's
+    pipe.init_weights()
+    params = {name: p for part in pipe.model_parts for name, p in part.named_parameters()}
+    init = {name: _full(p) for name, p in params.items()}
+    seen = _watch_block_parts(pipe.model_parts[0])
+    opt = torch.optim.AdamW(params.values(), lr=1e-2, foreach=False)
+    steps = []
+    for step in range(STEPS):
+        tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
+        documents = (torch.arange(SEQ) >= torch.arange(2, 2 + BATCH)[:, None]).long()
+        docs = {"document_ids": documents} if step == 1 else {}
+        loss = pipe.step(tokens, target=targets, **docs)
+        grads = {}
+        for name, p in params.items():
+            assert p.grad is not None, name
+            grads[name] = _full(p.grad)
+        opt.step()
+        opt.zero_grad()
+        steps.append(
+            {
+                "loss": None if loss is None else _full(loss),
+                "grads": grads,
+                "params": {name: _full(p) for name, p in params.items()},
+            }
         )
-        return str(error), untouched
-    return "no error", False
+    return {"init": init, "steps": steps, "parts_receive": sorted(seen)}
 
 
-def _fsdp_tp_runs() -> dict[str, Any]:
+def _four_rank_runs() -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     result: dict[str, Any] = {}
-    for sp in (False, True):
-        source, result[f"one_{sp}"] = _one_process(_tiny(sequence_parallel=sp))
-        region = _tiny(use_local_map=True, region_blocks=True, sequence_parallel=sp)
-        result[f"region_{sp}"] = _parallel_run(
-            region,
-            source,
-            mesh,
-            {"activation_checkpoint": "full"} if sp else None,
-            mesh["dp_shard"],
-        )
+    source, result["one"] = _one_process(_tiny(sequence_parallel=True))
+    result["init"] = {name: _full(p) for name, p in source.named_parameters()}
+    region = _tiny(use_local_map=True, region_blocks=True, sequence_parallel=True)
+    # FSDP x TP, the blocks checkpointed: FSDP unshards a block's parameters to DTensors in
+    # its pre-forward, the region takes their local views (the recompute's too)
+    result["fsdp_tp"] = _parallel_run(
+        region, source, mesh, {"activation_checkpoint": "full"}, mesh["dp_shard"]
+    )
+    # context parallel x TP: the sequence split over cp, every rank given the whole batch
+    result["cp_tp"] = _parallel_run(region, source, ParallelDims(dp_shard=1, cp=2, tp=2))
+    result["pp_tp"] = _pipeline_run(region, ParallelDims(dp_shard=1, pp=2, tp=2))
     return result
 
 
@@ -172,8 +201,8 @@ def tp2() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fsdp2_tp2() -> dict[str, Any]:
-    return run_on_ranks(_fsdp_tp_runs, 4, timeout_s=180)[0]
+def four_ranks() -> list[dict[str, Any]]:
+    return run_on_ranks(_four_rank_runs, 4, timeout_s=180)
 
 
 def _assert_same_training(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
@@ -209,30 +238,46 @@ def test_region_blocks_issue_the_collectives_of_local_map_alone(
     _assert_same_training(tp2[f"region_{sp}"], tp2[f"local_map_{sp}"], f"vs use_local_map sp={sp}")
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_region_blocks_checkpointed_recompute_the_same_step(tp2: dict[str, Any], sp: bool) -> None:
-    _assert_same_training(tp2[f"region_ac_{sp}"], tp2[f"region_{sp}"], f"full AC sp={sp}")
-
-
-@pytest.mark.parametrize("sp", [False, True], ids=["fsdp2xtp2", "fsdp2xtp2-sp-ac"])
-def test_region_blocks_under_fsdp_and_tp_train_like_one_process(
-    fsdp2_tp2: dict[str, Any], sp: bool
+def test_region_blocks_checkpointed_recompute_the_same_step(
+    tp2: dict[str, Any], sp: bool, mode: str
 ) -> None:
-    _assert_same_training(fsdp2_tp2[f"region_{sp}"], fsdp2_tp2[f"one_{sp}"], f"FSDP x TP sp={sp}")
+    got = tp2[f"region_{mode}_ac_{sp}"]
+    _assert_same_training(got, tp2[f"region_{sp}"], f"{mode} AC sp={sp}")
 
 
-def test_region_blocks_refuse_context_parallelism_before_changing_the_model(
-    tp2: dict[str, Any],
+@pytest.mark.parametrize("layout", ["fsdp_tp", "cp_tp"], ids=["fsdp2xtp2-ac", "cp2xtp2"])
+def test_region_blocks_composed_with_sp_train_like_one_process(
+    four_ranks: list[dict[str, Any]], layout: str
 ) -> None:
-    message, untouched = tp2["cp_refusal"]
-    assert "region_blocks" in message and "'cp'" in message, message
-    assert untouched
+    found = four_ranks[0]
+    assert found[layout][0]["parts_receive"] == ["Tensor"]  # the blocks are regions
+    _assert_same_training(found[layout], found["one"], f"{layout}, sequence parallel")
 
 
-def test_region_blocks_refuse_a_pipeline() -> None:
-    model = _tiny(use_local_map=True, region_blocks=True).build()
-    with pytest.raises(ValueError, match=r"pipeline_llama: region_blocks=true .*pipeline"):
-        pipeline_llama(model, ParallelDims(pp=2, dp_shard=1, world_size=2))
+def test_region_blocks_in_pipeline_stages_train_like_one_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    want = four_ranks[0]["one"]
+    losses = 0
+    for rank, found in enumerate(four_ranks):  # pp x tp: ranks 0-1 stage 0, 2-3 stage 1
+        got = found["pp_tp"]
+        assert got["parts_receive"] == ["Tensor"], f"rank {rank}: the blocks are regions"
+        for name, param in got["init"].items():
+            assert torch.equal(param, four_ranks[0]["init"][name]), f"rank {rank}: init {name}"
+        for step, (g, w) in enumerate(zip(got["steps"], want, strict=True)):
+            where = f"pp2xtp2 rank {rank}, step {step}"
+            if g["loss"] is not None:
+                losses += 1
+                assert_close_to_scale(g["loss"], w["loss"], rel=REL, what=f"{where}: loss")
+            for name, grad in g["grads"].items():
+                assert_close_to_scale(grad, w["grads"][name], rel=REL, what=f"{where}: {name}")
+            for name, param in g["params"].items():
+                assert_close_to_scale(param, w["params"][name], rel=REL, what=f"{where}: {name}")
+    assert losses == 2 * STEPS  # the last stage's two tp ranks
+    stages = [set(found["pp_tp"]["init"]) for found in four_ranks]
+    assert stages[0] | stages[2] == set(want[0]["params"]), "the stages hold every parameter"
 
 
 def test_region_blocks_need_use_local_map() -> None:

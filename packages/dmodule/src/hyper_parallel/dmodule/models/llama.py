@@ -490,12 +490,6 @@ def pipeline_llama(
 
         pipe = pipeline_llama(model, mesh, {"pipeline": {"schedule": "GPipe", "n_microbatches": 4}})
     """
-    if model.config.region_blocks:
-        raise ValueError(
-            "pipeline_llama: region_blocks=true is not supported with pipeline parallelism "
-            "yet (no pipeline schedule has been checked against the blocks' regions); "
-            "expected region_blocks=false with pp > 1"
-        )
     return pipeline_with_loss(model, mesh, job_config, where="pipeline_llama")
 
 

@@ -84,7 +84,6 @@ __all__ = [
     "attention_config",
     "block_config",
     "check_cp",
-    "check_region_blocks",
     "embedding_config",
     "feed_forward_config",
     "norm_config",
@@ -235,11 +234,6 @@ def region_block_config(config: Llama.Config) -> TransformerBlock.Config:
         >>> region_block_config(cfg).attention.sharding_config.in_src_shardings
         {'x': {MeshAxisName.TP: Shard(dim=1)}}
     """
-    if not config.use_local_map:  # Llama.Config.validate refuses it; a config built by hand
-        raise ValueError(
-            "region_block_config: expected use_local_map=True with region_blocks=True, found "
-            "use_local_map=False"
-        )
     norm = RMSNorm.Config.local_map(
         config.dim, eps=config.norm_eps, sequence_parallel=config.sequence_parallel
     )
@@ -304,7 +298,6 @@ def parallelize_llama(
     cp_mesh, tp_from_cp = split_cp_mesh(mesh)
     tp_mesh = _tp_mesh(mesh) if cp_mesh is None else tp_from_cp
     check_cp(model, cp_mesh, tp_mesh)
-    check_region_blocks(model, cp_mesh)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     if cp_mesh is not None:
@@ -391,25 +384,6 @@ def check_cp(
             f"rank (n_kv_heads {n_kv} / tp {tp} = {n_kv // tp}) to divide by the size of mesh "
             f"axis 'cp' ({cp})"
         )
-
-
-def check_region_blocks(model: Llama, cp_mesh: DeviceMesh | None) -> None:
-    """Raise a ``ValueError`` where ``region_blocks`` does not compose with the layout yet.
-
-    Context parallelism is refused: its attention gathers keys and values over ``cp`` on
-    DTensors, which an inner region does not receive.
-
-    Example::
-
-        check_region_blocks(model, mesh["cp"])   # before anything changes
-    """
-    if not model.config.region_blocks or cp_mesh is None:
-        return
-    raise ValueError(
-        f"Llama.parallelize: region_blocks=true does not compose with context parallelism "
-        f"(mesh axis 'cp' has size {cp_mesh.size()}) yet; expected region_blocks=false with "
-        "cp > 1, or cp = 1"
-    )
 
 
 def apply_cp(model: Llama, cp_mesh: DeviceMesh) -> Llama:
