@@ -48,6 +48,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def _documents() -> torch.Tensor:
+    """Two packed documents per row, the second starting at token 2 + row."""
+    return (torch.arange(SEQ) >= torch.arange(2, 2 + BATCH)[:, None]).long()
+
+
 def _train(
     model: Llama, dp_mesh: DeviceMesh | None = None, record: bool = True
 ) -> list[dict[str, Any]]:
@@ -61,11 +66,9 @@ def _train(
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
         # the middle step packs documents: the blocks pass their TokenLayout to attention
-        documents = (torch.arange(SEQ) >= torch.arange(2, 2 + BATCH)[:, None]).long()
+        documents = _documents()[rows] if step == 1 else None
         with CommDebugMode() as comm:
-            loss = model.loss(
-                tokens[rows], targets[rows], document_ids=documents[rows] if step == 1 else None
-            )
+            loss = model.loss(tokens[rows], targets[rows], document_ids=documents)
             torch.autograd.backward(loss)
         value = _full(loss)
         if dp_mesh is not None:
@@ -158,8 +161,7 @@ def _pipeline_run(config: Llama.Config, dims: ParallelDims) -> dict[str, Any]:
     steps = []
     for step in range(STEPS):
         tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
-        documents = (torch.arange(SEQ) >= torch.arange(2, 2 + BATCH)[:, None]).long()
-        docs = {"document_ids": documents} if step == 1 else {}
+        docs = {"document_ids": _documents()} if step == 1 else {}
         loss = pipe.step(tokens, target=targets, **docs)
         grads = {}
         for name, p in params.items():
