@@ -42,6 +42,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "spmd_types": "bench.baselines.spmd_types_tp:build_spmd_types_step",
     "ours_dtensor": "bench.ours.llama_ref:build_dtensor_step",
     "ours_local_map": "bench.ours.llama_ref:build_local_map_step",
+    "ours_ref_region": "bench.ours.llama_ref:build_region_blocks_step",
     "ours_user_model": "bench.ours.user_model:build_user_model_step",
     "ours_tp_api": "bench.ours.tp_api:build_hp_tp_step",
     "ours_tp_api_no_overlap": "bench.ours.tp_api:build_hp_tp_step_no_overlap",

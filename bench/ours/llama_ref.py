@@ -3,7 +3,8 @@
 Both use the same plan as the Megatron baseline (a): column-parallel ``wq/wk/wv/w1/w3``,
 row-parallel ``wo/w2``, replicated embedding, norms and output projection, RoPE off.
 (c) runs every op of the blocks on DTensors; (d) runs attention and the MLP as
-``local_map`` modules on local tensors.
+``local_map`` modules on local tensors; ``ours_ref_region`` adds ``region_blocks``: each
+block one outer ``local_map`` region, the residual stream and its adds plain local tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from bench.common.llama import LlamaConfig
 from hyper_parallel.dmodule.models.llama import Llama
 from hyper_parallel.dtensor import DTensor, init_device_mesh
 
-__all__ = ["build_dtensor_step", "build_local_map_step", "full_grads", "zero_grads"]
+__all__ = [
+    "build_dtensor_step",
+    "build_local_map_step",
+    "build_region_blocks_step",
+    "full_grads",
+    "zero_grads",
+]
 
 
 class ReferenceLlamaStep:
@@ -30,6 +37,7 @@ class ReferenceLlamaStep:
         ctx: TPContext,
         *,
         local_map: bool,
+        region_blocks: bool = False,
     ) -> None:
         cfg.check_tensor_parallel(ctx.world_size)
         config = Llama.Config(
@@ -43,6 +51,7 @@ class ReferenceLlamaStep:
             norm_eps=cfg.norm_eps,
             use_rope=False,
             use_local_map=local_map,
+            region_blocks=region_blocks,
             vocab_parallel=False,
         )
         mesh = init_device_mesh(ctx.device_type, (ctx.world_size,), mesh_dim_names=("tp",))
@@ -109,3 +118,10 @@ def build_local_map_step(
 ) -> ReferenceLlamaStep:
     """(d): attention and MLP blocks as local_map modules."""
     return ReferenceLlamaStep(cfg, full_weights, ctx, local_map=True)
+
+
+def build_region_blocks_step(
+    cfg: LlamaConfig, full_weights: Mapping[str, torch.Tensor], ctx: TPContext
+) -> ReferenceLlamaStep:
+    """(d) with ``region_blocks``: each block one outer region, plain tensors between its parts."""
+    return ReferenceLlamaStep(cfg, full_weights, ctx, local_map=True, region_blocks=True)

@@ -9,11 +9,12 @@ checked against one process by ``test_llama.py`` and ``tests/integration``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from hyper_parallel.dmodule import ShardingConfig
+from hyper_parallel.dmodule import LocalMapConfig, MeshAxisName, ShardingConfig
 from hyper_parallel.dmodule.layers import (
     Attention,
     Embedding,
@@ -23,6 +24,9 @@ from hyper_parallel.dmodule.layers import (
 )
 from hyper_parallel.dmodule.models import llama_sharding
 from hyper_parallel.dmodule.models.llama import Llama, parallelize_llama
+from hyper_parallel.dtensor import Replicate, Shard
+
+TP = MeshAxisName.TP
 
 VARIANTS = {
     "dtensor": {},
@@ -31,6 +35,8 @@ VARIANTS = {
     "local_map-sp": {"use_local_map": True, "sequence_parallel": True},
     "no-vocab-parallel": {"vocab_parallel": False},
     "no-vocab-parallel-sp": {"vocab_parallel": False, "sequence_parallel": True},
+    "region_blocks": {"use_local_map": True, "region_blocks": True},
+    "region_blocks-sp": {"use_local_map": True, "region_blocks": True, "sequence_parallel": True},
 }
 
 
@@ -66,6 +72,20 @@ def _expected(cfg: Llama.Config) -> dict[str, ShardingConfig | None]:
     rowwise = Linear.Config.rowwise(1, 1, states_only=True).sharding_config
     attention = Attention.Config.tensor_parallel(local_map=lm, sequence_parallel=sp)
     feed_forward = FeedForward.Config.tensor_parallel(local_map=lm, sequence_parallel=sp)
+    block: ShardingConfig | None = None
+    block_norm = norm
+    if cfg.region_blocks:  # the block an outer region over the residual stream
+        stream = {TP: Shard(1) if sp else Replicate()}
+        block = ShardingConfig(
+            in_dst_shardings={"x": stream}, out_src_shardings=stream, local_map=LocalMapConfig()
+        )
+        block_norm = RMSNorm.Config.local_map(cfg.dim, sequence_parallel=sp).sharding_config
+        for part in (attention, feed_forward) if sp else ():
+            # an inner region's plain input is laid out as it declares: the norm's shards
+            assert part.sharding_config is not None
+            part.sharding_config = dataclasses.replace(
+                part.sharding_config, in_src_shardings={"x": stream}
+            )
     found: dict[str, ShardingConfig | None] = {
         "": None,
         "tok_embeddings": embedding,
@@ -74,17 +94,17 @@ def _expected(cfg: Llama.Config) -> dict[str, ShardingConfig | None]:
         "output": output,
     }
     for i in range(cfg.n_layers):
-        block = f"layers.{i}"
+        name = f"layers.{i}"
         found |= {
-            block: None,
-            f"{block}.attention_norm": norm,
-            f"{block}.attention": attention.sharding_config,
-            f"{block}.ffn_norm": norm,
-            f"{block}.feed_forward": feed_forward.sharding_config,
-            **{f"{block}.attention.{w}": colwise for w in ("wq", "wk", "wv")},
-            f"{block}.attention.wo": rowwise,
-            **{f"{block}.feed_forward.{w}": colwise for w in ("w1", "w3")},
-            f"{block}.feed_forward.w2": rowwise,
+            name: block,
+            f"{name}.attention_norm": block_norm,
+            f"{name}.attention": attention.sharding_config,
+            f"{name}.ffn_norm": block_norm,
+            f"{name}.feed_forward": feed_forward.sharding_config,
+            **{f"{name}.attention.{w}": colwise for w in ("wq", "wk", "wv")},
+            f"{name}.attention.wo": rowwise,
+            **{f"{name}.feed_forward.{w}": colwise for w in ("w1", "w3")},
+            f"{name}.feed_forward.w2": rowwise,
         }
     return found
 

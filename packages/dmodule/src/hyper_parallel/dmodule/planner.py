@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -179,7 +179,7 @@ def plan_parallelize(
             planner.problems.extend(f"{label}: {problem}" for problem in found)
         plan.forward = planner.plan_forward(sub, path, sc)
         if sc.local_map is not None and sc.local_map.state_grad_placements:
-            planner.problems.extend(_state_grad_problems(label, sc, planner.axes))
+            planner.problems.extend(_state_grad_problems(label, sc, planner))
         if sc.local_map is not None:
             planner.problems.extend(_undeclared_state_grads(label, sub, sc))
         if sc.local_map is not None:
@@ -482,8 +482,12 @@ class _Planner:
         )
 
 
-def _state_grad_problems(label: str, sc: ShardingConfig, axes: Sequence[str]) -> list[str]:
-    """``local_map.state_grad_placements`` names declared states, with valid placements."""
+def _state_grad_problems(label: str, sc: ShardingConfig, planner: _Planner) -> list[str]:
+    """``local_map.state_grad_placements`` names declared states, with valid placements.
+
+    The placements are resolved on the mesh the state lives on (under a ``ParallelDims``,
+    the view its ``state_shardings`` names), as the states' node resolves them.
+    """
     assert sc.local_map is not None
     problems = []
     for name, named in sc.local_map.state_grad_placements.items():
@@ -494,7 +498,9 @@ def _state_grad_problems(label: str, sc: ShardingConfig, axes: Sequence[str]) ->
                 f"{sorted(sc.state_shardings)}"
             )
             continue
+        layout = sc.state_shardings[name]
         try:
+            _, axes = planner._view(list(layout) if isinstance(layout, Mapping) else [], where)
             resolve_placements(named, axes, where=where)
         except (TypeError, ValueError) as error:
             problems.append(str(error))

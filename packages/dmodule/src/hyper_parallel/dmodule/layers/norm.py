@@ -8,25 +8,32 @@ import torch
 import torch.nn.functional as F
 
 from hyper_parallel.dmodule._checks import require_positive, require_positive_float
-from hyper_parallel.dmodule.layers._common import replicated, sequence_sharded
+from hyper_parallel.dmodule.layers._common import TP, replicated, sequence_sharded
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
+from hyper_parallel.dmodule.types import NamedPlacement
+from hyper_parallel.dtensor import Partial
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-def _local_norm_sharding(states: tuple[str, ...]) -> ShardingConfig:
-    """Replicated weights and activations, the norm on plain local tensors (``local_map``).
+def _local_norm_sharding(
+    states: tuple[str, ...], sequence_parallel: bool = False
+) -> ShardingConfig:
+    """Replicated weights, the norm on plain local tensors (``local_map``).
 
     A handful of element-wise ops that need no communication, so no per-op dispatch.
-    Only for replicated activations: with sequence parallelism each rank's weight
-    gradient is a partial sum over its tokens, which only the DTensor path records.
+    With ``sequence_parallel`` the activations are sequence shards ``Shard(1)``: each
+    rank's weight gradient then sums its own tokens only, so it is declared ``Partial``
+    (``state_grad_placements``) and reduced once, where it accumulates.
     """
+    layout = sequence_sharded() if sequence_parallel else replicated()
+    partial: dict[str, NamedPlacement] = {name: {TP: Partial()} for name in states}
     return ShardingConfig(
         state_shardings={name: replicated() for name in states},
-        in_dst_shardings={"x": replicated()},
-        out_src_shardings=replicated(),
-        local_map=LocalMapConfig(),
+        in_dst_shardings={"x": layout},
+        out_src_shardings=layout,
+        local_map=LocalMapConfig(state_grad_placements=partial if sequence_parallel else {}),
     )
 
 
@@ -90,15 +97,22 @@ class RMSNorm(Module):
             return cls(dim=dim, eps=eps, sharding_config=_norm_sharding(("weight",), True))
 
         @classmethod
-        def local_map(cls, dim: int, *, eps: float = 1e-6) -> RMSNorm.Config:
-            """The norm on local (replicated) tensors: no per-op dispatch, same numbers.
+        def local_map(
+            cls, dim: int, *, eps: float = 1e-6, sequence_parallel: bool = False
+        ) -> RMSNorm.Config:
+            """The norm on local tensors: no per-op dispatch, same numbers.
+
+            Replicated activations, or sequence shards ``Shard(1)`` with
+            ``sequence_parallel`` (the weight's local gradient then declared ``Partial``).
 
             Example::
 
                 >>> RMSNorm.Config.local_map(8).sharding_config.local_map is not None
                 True
+                >>> RMSNorm.Config.local_map(8, sequence_parallel=True).sharding_config.in_dst_shardings
+                {'x': {MeshAxisName.TP: Shard(dim=1)}}
             """
-            sharding = _local_norm_sharding(("weight",))
+            sharding = _local_norm_sharding(("weight",), sequence_parallel)
             return cls(dim=dim, eps=eps, sharding_config=sharding)
 
     def __init__(self, config: RMSNorm.Config) -> None:

@@ -76,8 +76,10 @@ class Llama(BaseModel):
     replicated norms; a column-parallel output whose logits stay sharded by vocab into
     the loss-parallel :func:`~hyper_parallel.dmodule.layers.cross_entropy`. ``use_local_map`` runs
     attention and feed-forward on local tensors (``compile_local_map`` compiles their
-    local math with ``torch.compile``); ``sequence_parallel`` keeps the
-    residual stream split along the sequence between blocks.
+    local math with ``torch.compile``); ``region_blocks`` (with ``use_local_map``) makes
+    each block one outer ``local_map`` region, so the residual stream, its adds and the
+    norms run as plain local tensors between the block's parts; ``sequence_parallel``
+    keeps the residual stream split along the sequence between blocks.
 
     Example::
 
@@ -113,6 +115,9 @@ class Llama(BaseModel):
         use_rope: bool = True
         use_local_map: bool = False
         compile_local_map: bool = False  # torch.compile the local_map blocks' local math
+        # each block one outer local_map region: norms, attention and feed-forward inner
+        # regions, the residual stream plain local tensors between them (needs use_local_map)
+        region_blocks: bool = False
         sequence_parallel: bool = False
         vocab_parallel: bool = True
         context_parallel: str = "allgather"  # attention over mesh axis cp: allgather|ring|alltoall
@@ -150,6 +155,13 @@ class Llama(BaseModel):
                     "expected use_local_map=true with compile_local_map (it compiles the "
                     "local_map blocks), found use_local_map=false",
                     path="compile_local_map",
+                )
+            if self.region_blocks and not self.use_local_map:
+                raise ConfigError(
+                    "expected use_local_map=true with region_blocks (each block becomes an "
+                    "outer local_map region whose norms, attention and feed-forward are "
+                    "local_map regions), found use_local_map=false",
+                    path="region_blocks",
                 )
             check_head_sizes(self)
             if self.use_rope and (self.dim // self.n_heads) % 2:

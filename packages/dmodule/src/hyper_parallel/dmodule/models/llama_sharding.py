@@ -18,6 +18,9 @@ them (SP: ``sequence_parallel``; LM: ``use_local_map``):
   its boundaries are attention's.
 - ``output``: weight ``Shard(0)`` (vocabulary); x ``Replicate`` (all-gathered with SP);
   the logits stay ``Shard(-1)`` into the loss-parallel ``cross_entropy``.
+- ``region_blocks`` (with LM): each block one outer ``local_map`` region over the residual
+  stream (``Replicate``; SP: ``Shard(1)``), its norms (``local_map`` in either layout),
+  attention and feed-forward inner regions: the residual adds are plain torch.
 
 With ``vocab_parallel=False`` the embedding and the output hold their whole weights
 (``Replicate``) and the logits are replicated. The projections' own layouts are those
@@ -37,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -55,6 +59,7 @@ from hyper_parallel.dmodule.layers import (
     RMSNorm,
     TransformerBlock,
 )
+from hyper_parallel.dmodule.layers._common import replicated, sequence_sharded
 from hyper_parallel.dmodule.models._sharding import (
     apply_compile,
     check_heads_divide_tp,
@@ -63,6 +68,7 @@ from hyper_parallel.dmodule.models._sharding import (
 )
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
+from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -83,6 +89,8 @@ __all__ = [
     "norm_config",
     "output_config",
     "parallelize_llama",
+    "region_block_config",
+    "region_block_sharding",
     "split_cp_mesh",
 ]
 
@@ -166,12 +174,17 @@ def feed_forward_config(config: Llama.Config) -> FeedForward.Config:
 def block_config(config: Llama.Config) -> TransformerBlock.Config:
     """One block: norm, attention, norm, feed-forward (every block of the model is alike).
 
+    With ``region_blocks`` the block is itself a ``local_map`` region
+    (:func:`region_block_sharding`).
+
     Example::
 
         >>> from hyper_parallel.dmodule.models.llama import Llama
         >>> block_config(Llama.Config(dim=32, n_heads=4)).attention.dim
         32
     """
+    if config.region_blocks:
+        return region_block_config(config)
     norm = norm_config(config)
     return TransformerBlock.Config(
         attention_norm=norm,
@@ -181,6 +194,67 @@ def block_config(config: Llama.Config) -> TransformerBlock.Config:
         ffn_norm=norm.replace(),
         feed_forward=feed_forward_config(config),
     )
+
+
+# -- region_blocks: each block one outer local_map region --------------------------------------
+def region_block_sharding(config: Llama.Config) -> ShardingConfig:
+    """The block as an OUTER ``local_map`` region: the residual stream in and out.
+
+    ``Replicate`` over ``tp`` (``Shard(1)``, sequence shards, with ``sequence_parallel``):
+    the block's input goes local once and its output is wrapped once; the residual adds
+    between its parts are plain torch, and its norms, attention and feed-forward are
+    inner regions that make their declared moves as collectives on local tensors
+    (``README``: regions inside a region).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> cfg = Llama.Config(use_local_map=True, region_blocks=True, sequence_parallel=True)
+        >>> region_block_sharding(cfg).out_src_shardings
+        {MeshAxisName.TP: Shard(dim=1)}
+    """
+    stream = sequence_sharded() if config.sequence_parallel else replicated()
+    return ShardingConfig(
+        in_dst_shardings={"x": stream}, out_src_shardings=stream, local_map=LocalMapConfig()
+    )
+
+
+def region_block_config(config: Llama.Config) -> TransformerBlock.Config:
+    """The block of ``region_blocks``: its parts as inner regions of the block's region.
+
+    The norms are ``local_map`` regions in either layout (with ``sequence_parallel``
+    their replicated weight's local gradient is declared ``Partial``); attention's and
+    feed-forward's input is declared a sequence shard (``in_src``), as the norm leaves
+    it: an inner region receives plain tensors, whose layout is only what it declares.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.llama import Llama
+        >>> cfg = Llama.Config(use_local_map=True, region_blocks=True, sequence_parallel=True)
+        >>> region_block_config(cfg).attention.sharding_config.in_src_shardings
+        {'x': {MeshAxisName.TP: Shard(dim=1)}}
+    """
+    norm = RMSNorm.Config.local_map(
+        config.dim, eps=config.norm_eps, sequence_parallel=config.sequence_parallel
+    )
+    attention = attention_config(config)
+    feed_forward = feed_forward_config(config)
+    if config.sequence_parallel:
+        attention = attention.replace(sharding_config=_sequence_shard_in(attention))
+        feed_forward = feed_forward.replace(sharding_config=_sequence_shard_in(feed_forward))
+    return TransformerBlock.Config(
+        attention_norm=norm,
+        attention=attention,
+        ffn_norm=norm.replace(),
+        feed_forward=feed_forward,
+        sharding_config=region_block_sharding(config),
+    )
+
+
+def _sequence_shard_in(part: Attention.Config | FeedForward.Config) -> ShardingConfig:
+    sharding = part.sharding_config
+    assert sharding is not None  # the tensor_parallel presets declare one
+    return dataclasses.replace(sharding, in_src_shardings={"x": sequence_sharded()})
 
 
 def output_config(config: Llama.Config) -> Linear.Config:
