@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -304,3 +305,20 @@ def test_the_allowlist_admits_torch_functional_compiled_kernels() -> None:
         _Activation.Config.from_dict(
             {"fn": "torch.nn.functional:torch.os.system"}, allow_imports=allowed
         )
+
+
+def test_parallelism_compile_compiles_the_models_regions_or_is_refused_by_name() -> None:
+    """``[parallelism] compile`` reaches the model (it was read nowhere: a silent no-op)."""
+    from hyper_parallel.train.build import build_model_config
+
+    def built(*overrides: str) -> Any:
+        return build_model_config(load_job(None, list(overrides)), 256)
+
+    assert not built("model.config.use_local_map=true").compile_local_map
+    on = built("parallelism.compile=true", "model.config.use_local_map=true")
+    assert on.compile_local_map and on.use_local_map
+    qwen3 = built("parallelism.compile=true", "model.name=qwen3-ref", "model.flavor=debug")
+    assert qwen3.compile_local_map  # qwen3-ref's blocks are regions always
+    with pytest.raises(ConfigError, match=r"expected model\.config\.use_local_map = true") as error:
+        built("parallelism.compile=true")
+    assert error.value.path == "parallelism.compile"

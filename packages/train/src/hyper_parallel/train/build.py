@@ -63,6 +63,8 @@ def build_model_config(
         )
     except ConfigError as error:
         raise ConfigError(error.message, path=f"model.config.{error.path}") from error
+    if job.parallelism.compile:
+        config = _compiled(job, config)
     if "vocab_size" not in user and not job.model.hf_dir and config.vocab_size < tokenizer_vocab:
         config = config.replace(vocab_size=tokenizer_vocab)
     if config.vocab_size < tokenizer_vocab:
@@ -80,6 +82,28 @@ def build_model_config(
         )
     check_model_layout(job, config)
     return config
+
+
+def _compiled(job: JobConfig, config: Any) -> Any:
+    """``[parallelism] compile = true``: the model's ``local_map`` regions run compiled.
+
+    It sets the model Config's ``compile_local_map`` (llama-ref, qwen3-ref); a model without
+    it, or llama-ref without its regions (``use_local_map``), is refused by name.
+    """
+    name = job.model.name
+    if not hasattr(config, "compile_local_map"):
+        raise ConfigError(
+            f"expected false: model {name!r} has no compiled regions (its Config has no "
+            "compile_local_map), found true",
+            path="parallelism.compile",
+        )
+    if getattr(config, "use_local_map", True) is False:
+        raise ConfigError(
+            "expected model.config.use_local_map = true with parallelism.compile = true (it "
+            f"compiles model {name!r}'s local_map regions), found use_local_map = false",
+            path="parallelism.compile",
+        )
+    return config.replace(compile_local_map=True)
 
 
 def model_job_config(job: JobConfig) -> dict[str, object]:
