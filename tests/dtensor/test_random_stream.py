@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tests._harness import run_on_ranks
+from tests._harness import TEST_DEVICE, run_on_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -326,11 +326,13 @@ def _forget_forks(budget_states: int) -> dict[str, Any]:
     from hyper_parallel.dtensor import _seeds
 
     torch.set_num_threads(1)
-    state_bytes = torch.get_rng_state().numel()
+    device = torch.device(TEST_DEVICE, 0) if TEST_DEVICE != "cpu" else torch.device("cpu")
+    state_bytes = _seeds._generator_state(device).numel()  # 5 KB on CPU, 16 bytes on CUDA
     _seeds._REPLAY_BYTES = budget_states * state_bytes  # a small memory, same rule
-    mesh = hp.init_device_mesh("cpu", (1,))
-    x = hp.distribute_tensor(torch.ones(4, 4), mesh, [hp.Replicate()])
-    w = hp.distribute_tensor(torch.ones(4, 4), mesh, [hp.Replicate()]).requires_grad_()
+    mesh = hp.init_device_mesh(TEST_DEVICE, (1,))
+    x = hp.distribute_tensor(torch.ones(4, 4, device=device), mesh, [hp.Replicate()])
+    w = hp.distribute_tensor(torch.ones(4, 4, device=device), mesh, [hp.Replicate()])
+    w.requires_grad_()
     previous = hp.set_random_sync("stream")
     out: dict[str, Any] = {}
     try:
@@ -350,8 +352,8 @@ def _forget_forks(budget_states: int) -> dict[str, Any]:
                 kept.sum().backward()  # type: ignore[no-untyped-call]
                 assert w.grad is not None
                 out[label] = {
-                    "forward": kept.to_local().detach().clone(),
-                    "grad": w.grad.to_local().clone(),
+                    "forward": kept.to_local().detach().cpu(),
+                    "grad": w.grad.to_local().cpu(),
                     "warned": [
                         str(c.message) for c in caught if c.category is hp.RandomSeedWarning
                     ],
@@ -362,6 +364,7 @@ def _forget_forks(budget_states: int) -> dict[str, Any]:
 
 
 def test_a_recompute_beyond_the_memory_of_forked_ops_is_warned_about_once() -> None:
+    """Also on CUDA (``bench/gpu_smoke.sh``): the fork, the tick and the replay on its generator."""
     (got,) = run_on_ranks(_forget_forks, 1, 3, timeout_s=120.0)
     within = got["within memory"]
     # the recomputed mask is the forward's: the gradient is the forward's output (x = w = 1)
