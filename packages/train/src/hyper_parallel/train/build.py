@@ -100,7 +100,7 @@ def _compiled(job: JobConfig, config: Any) -> Any:
     if getattr(config, "use_local_map", True) is False:
         raise ConfigError(
             "expected model.config.use_local_map = true with parallelism.compile = true (it "
-            f"compiles model {name!r}'s local_map regions), found use_local_map = false",
+            f"compiles the local_map regions of model {name!r}), found use_local_map = false",
             path="parallelism.compile",
         )
     return config.replace(compile_local_map=True)
