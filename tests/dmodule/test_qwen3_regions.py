@@ -6,7 +6,8 @@ Oracles: one process on the full tensors (the same Config without any parallelis
 same init and batches) trained the same 3 AdamW steps; and the same model on the DTensor
 path (neither flag), whose collectives per step (CommDebugMode) ``use_local_map`` and
 ``region_blocks`` must issue, kind for kind. Tensor and sequence parallel on 2 ranks,
-a mixed dense/MoE model (experts over ``ep`` borrowing ``tp``), and on 4 ranks FSDP x TP.
+a mixed dense/MoE model (experts over ``ep`` borrowing ``tp``), and on 4 ranks FSDP x TP
+and pipeline stages x TP (sequence parallel).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests._tolerance import assert_close_to_scale
 
 from hyper_parallel.config import ConfigError
 from hyper_parallel.dmodule import ParallelDims
-from hyper_parallel.dmodule.models.qwen3 import Qwen3, parallelize_qwen3
+from hyper_parallel.dmodule.models.qwen3 import Qwen3, parallelize_qwen3, pipeline_qwen3
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Block
 from hyper_parallel.dmodule.models.training import synthetic_batch
 from hyper_parallel.dtensor import CommDebugMode, DeviceMesh, DTensor, init_device_mesh
@@ -153,6 +154,38 @@ def _two_rank_runs() -> dict[str, Any]:
     return result
 
 
+def _pipeline_run(config: Qwen3.Config, dims: ParallelDims) -> dict[str, Any]:
+    """This rank's stage of a 2-stage pipeline (2 microbatches), trained as :func:`_train`:
+    its init, and per step the loss (last stage only), its gradients and params."""
+    with torch.device("meta"):
+        model = config.build()
+    pipe = pipeline_qwen3(model, dims, {"pipeline": {"schedule": "1F1B", "n_microbatches": 2}})
+    torch.manual_seed(0)  # as _one_process: a pipeline's init equals one process's
+    pipe.init_weights()
+    params = {name: p for part in pipe.model_parts for name, p in part.named_parameters()}
+    init = {name: _full(p) for name, p in params.items()}
+    seen = _watch_block_parts(pipe.model_parts[0])
+    opt = torch.optim.AdamW(params.values(), lr=1e-2, foreach=False)
+    steps = []
+    for step in range(STEPS):
+        tokens, targets = synthetic_batch(step, batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB)
+        loss = pipe.step(tokens, target=targets)
+        grads = {}
+        for name, p in params.items():
+            assert p.grad is not None, name
+            grads[name] = _full(p.grad)
+        opt.step()
+        opt.zero_grad()
+        steps.append(
+            {
+                "loss": None if loss is None else _full(loss),
+                "grads": grads,
+                "params": {name: _full(p) for name, p in params.items()},
+            }
+        )
+    return {"init": init, "steps": steps, "parts_receive": [sorted(names) for names in seen]}
+
+
 def _four_rank_runs() -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -164,6 +197,8 @@ def _four_rank_runs() -> dict[str, Any]:
     result["fsdp_tp"] = _parallel_run(
         region, source, mesh, {"activation_checkpoint": "full"}, mesh["dp_shard"]
     )
+    result["init"] = {name: _full(p) for name, p in source.named_parameters()}
+    result["pp_tp"] = _pipeline_run(region, ParallelDims(dp_shard=1, pp=2, tp=2))
     return result
 
 
@@ -248,3 +283,27 @@ def test_region_blocks_and_compile_need_use_local_map(flag: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{flag}: expected use_local_map=true") as error:
         _tiny(**{flag: True})
     assert error.value.path == flag
+
+
+def test_region_blocks_in_pipeline_stages_train_like_one_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    want = four_ranks[0]["one"]
+    losses = 0
+    for rank, found in enumerate(four_ranks):  # pp x tp: ranks 0-1 stage 0, 2-3 stage 1
+        got = found["pp_tp"]
+        assert got["parts_receive"] == [["Tensor"]], f"rank {rank}: the stage's block is a region"
+        for name, param in got["init"].items():
+            assert torch.equal(param, four_ranks[0]["init"][name]), f"rank {rank}: init {name}"
+        for step, (g, w) in enumerate(zip(got["steps"], want, strict=True)):
+            where = f"pp2xtp2 rank {rank}, step {step}"
+            if g["loss"] is not None:
+                losses += 1
+                assert_close_to_scale(g["loss"], w["loss"], rel=REL, what=f"{where}: loss")
+            for name, grad in g["grads"].items():
+                assert_close_to_scale(grad, w["grads"][name], rel=REL, what=f"{where}: {name}")
+            for name, param in g["params"].items():
+                assert_close_to_scale(param, w["params"][name], rel=REL, what=f"{where}: {name}")
+    assert losses == 2 * STEPS  # the last stage's two tp ranks
+    stages = [set(found["pp_tp"]["init"]) for found in four_ranks]
+    assert stages[0] | stages[2] == set(want[0]["params"]), "the stages hold every parameter"
