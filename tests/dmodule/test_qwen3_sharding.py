@@ -8,6 +8,7 @@ rule for where the MoE blocks sit; values under the plan are checked against tra
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 from hyper_parallel.dmodule.layers import FeedForward, Linear, MoE, RMSNorm, block_sharding
 from hyper_parallel.dmodule.models import qwen3_sharding
 from hyper_parallel.dmodule.models.qwen3 import Qwen3, parallelize_qwen3
+from hyper_parallel.dmodule.types import MeshAxisName
+from hyper_parallel.dtensor import Partial, Replicate
 
 
 def _tiny(**fields: Any) -> Qwen3.Config:
@@ -42,6 +45,47 @@ def test_attention_carries_the_block_preset_and_its_norms_are_replicated(
     # per-head norms act on the local heads: replicated weights, no boundary of their own
     assert attention.q_norm.sharding_config == RMSNorm.Config(dim=8).sharding_config
     assert attention.q_norm.weight.shape == (8,)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sp"])
+def test_use_local_map_makes_attention_feed_forward_and_norms_regions_but_not_moe(
+    sequence_parallel: bool,
+) -> None:
+    cfg = _tiny(use_local_map=True, sequence_parallel=sequence_parallel, num_experts=4, top_k=2)
+    block = cfg.replace(mlp_only_layers=(0,)).build().layers
+    attention = block[0].attention.sharding_config
+    want = block_sharding(
+        local_map=True,
+        sequence_parallel=sequence_parallel,
+        replicated_states=("rope_cos", "rope_sin", "q_norm.weight", "k_norm.weight"),
+    )
+    no_local_map = dataclasses.replace(want, local_map=None)
+    assert dataclasses.replace(attention, local_map=None) == no_local_map
+    assert attention.local_map is not None and want.local_map is not None
+    assert attention.local_map.in_grad_placements == want.local_map.in_grad_placements
+    # each rank's q/k norm gradient sums its own heads only: a partial sum over tp
+    partial = {MeshAxisName.TP: Partial()}
+    assert attention.local_map.state_grad_placements == {
+        "q_norm.weight": partial,
+        "k_norm.weight": partial,
+    }
+    dense = FeedForward.Config.tensor_parallel(local_map=True, sequence_parallel=sequence_parallel)
+    assert block[0].feed_forward.sharding_config == dense.sharding_config
+    assert block[1].feed_forward.sharding_config == MoE.Config().sharding_config
+    norm = block[0].attention_norm.sharding_config
+    if sequence_parallel:  # as llama-ref's: the sequence-parallel norms stay DTensor ops
+        assert norm == RMSNorm.Config.sequence_parallel(16).sharding_config
+    else:
+        assert norm == RMSNorm.Config.local_map(16).sharding_config
+
+
+def test_region_blocks_make_the_dense_blocks_regions_only() -> None:
+    cfg = _tiny(use_local_map=True, region_blocks=True, num_experts=4, top_k=2)
+    blocks = cfg.replace(mlp_only_layers=(0, 2)).build().layers
+    regions = [layer.sharding_config is not None for layer in blocks]
+    assert regions == [True, False, True]
+    assert blocks[0].sharding_config.local_map is not None
+    assert blocks[0].sharding_config.in_dst_shardings == {"x": {MeshAxisName.TP: Replicate()}}
 
 
 def test_feed_forward_is_moe_exactly_where_transformers_puts_experts() -> None:

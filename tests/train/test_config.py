@@ -317,8 +317,14 @@ def test_parallelism_compile_compiles_the_models_regions_or_is_refused_by_name()
     assert not built("model.config.use_local_map=true").compile_local_map
     on = built("parallelism.compile=true", "model.config.use_local_map=true")
     assert on.compile_local_map and on.use_local_map
-    qwen3 = built("parallelism.compile=true", "model.name=qwen3-ref", "model.flavor=debug")
-    assert qwen3.compile_local_map  # qwen3-ref's blocks are regions always
-    with pytest.raises(ConfigError, match=r"expected model\.config\.use_local_map = true") as error:
-        built("parallelism.compile=true")
-    assert error.value.path == "parallelism.compile"
+    qwen3 = ("model.name=qwen3-ref", "model.flavor=debug")
+    on = built("parallelism.compile=true", *qwen3, "model.config.use_local_map=true")
+    assert on.compile_local_map and on.use_local_map
+    assert not built(*qwen3, "model.config.use_local_map=true").compile_local_map
+    # without use_local_map neither model has a region to compile: refused, the key named
+    for model in ((), qwen3):
+        with pytest.raises(
+            ConfigError, match=r"expected model\.config\.use_local_map = true"
+        ) as error:
+            built("parallelism.compile=true", *model)
+        assert error.value.path == "parallelism.compile"

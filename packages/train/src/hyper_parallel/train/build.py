@@ -88,7 +88,8 @@ def _compiled(job: JobConfig, config: Any) -> Any:
     """``[parallelism] compile = true``: the model's ``local_map`` regions run compiled.
 
     It sets the model Config's ``compile_local_map`` (llama-ref, qwen3-ref); a model without
-    it, or llama-ref without its regions (``use_local_map``), is refused by name.
+    it, or one without its regions (``use_local_map`` false: llama-ref's or qwen3-ref's
+    default, nothing to compile), is refused by name.
     """
     name = job.model.name
     if not hasattr(config, "compile_local_map"):

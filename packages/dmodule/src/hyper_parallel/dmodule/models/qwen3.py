@@ -51,7 +51,12 @@ class Qwen3(BaseModel):
     Each block's MLP is a SwiGLU feed-forward, or a mixture of experts where transformers'
     Qwen3-MoE puts one (:meth:`Config.is_moe_layer`: ``decoder_sparse_step`` and
     ``mlp_only_layers``). Its parallelism plan is one file,
-    :mod:`~hyper_parallel.dmodule.models.qwen3_sharding`.
+    :mod:`~hyper_parallel.dmodule.models.qwen3_sharding`. ``use_local_map`` runs the norms,
+    attention (per-head q/k norms included) and the dense feed-forwards on local tensors
+    (``compile_local_map`` compiles their local math); ``region_blocks`` (with
+    ``use_local_map``) makes each dense block one outer ``local_map`` region, so the
+    residual stream, its adds and the norms run as plain local tensors between the block's
+    parts. MoE feed-forwards keep their DTensor path, and MoE blocks are never regions.
 
     Example::
 
@@ -97,7 +102,14 @@ class Qwen3(BaseModel):
         route_norm: bool = False
         load_balance_coeff: float | None = None
         aux_loss_coeff: float = 0.0
-        compile_local_map: bool = False
+        # norms, attention (its q/k norms included) and dense feed-forward run as local_map
+        # regions on local tensors; MoE feed-forwards keep their DTensor path
+        use_local_map: bool = False
+        compile_local_map: bool = False  # torch.compile the local_map regions' local math
+        # each dense block one outer local_map region: norms, attention and feed-forward inner
+        # regions, the residual stream plain local tensors between them (needs use_local_map);
+        # MoE blocks stay as use_local_map makes them
+        region_blocks: bool = False
         sequence_parallel: bool = False
         vocab_parallel: bool = True
 
@@ -137,6 +149,19 @@ class Qwen3(BaseModel):
                         f"expected at most num_experts ({self.num_experts}), found {self.top_k}",
                         path="top_k",
                     )
+            if self.compile_local_map and not self.use_local_map:
+                raise ConfigError(
+                    "expected use_local_map=true with compile_local_map (it compiles the "
+                    "local_map regions), found use_local_map=false",
+                    path="compile_local_map",
+                )
+            if self.region_blocks and not self.use_local_map:
+                raise ConfigError(
+                    "expected use_local_map=true with region_blocks (each dense block becomes "
+                    "an outer local_map region whose norms, attention and feed-forward are "
+                    "local_map regions), found use_local_map=false",
+                    path="region_blocks",
+                )
             outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
             if outside:
                 raise ConfigError(

@@ -39,6 +39,8 @@ class Qwen3Attention(Module):
     ``wq``/``wk``/``wv`` are column parallel and ``wo`` row parallel (each ``tp`` rank owns
     ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads); ``q_norm``/``k_norm``
     weights (``head_dim`` long) are replicated and get their gradients summed over ``tp``.
+    The same forward runs on DTensors or, as a ``local_map`` region (qwen3-ref's
+    ``use_local_map``), on this rank's heads as plain tensors.
 
     Example::
 
@@ -152,8 +154,9 @@ class Qwen3Block(TransformerBlock):
     """``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``; the MLP dense or MoE.
 
     :class:`~hyper_parallel.dmodule.layers.TransformerBlock` (its forward and parts) with
-    Qwen3's attention and a feed-forward that may be a mixture of experts. The block
-    declares no sharding of its own: its parts do (chosen in ``models/qwen3_sharding.py``).
+    Qwen3's attention and a feed-forward that may be a mixture of experts. Its parts declare
+    their shardings (chosen in ``models/qwen3_sharding.py``); with ``region_blocks`` a dense
+    block declares one too, an outer ``local_map`` region around them.
 
     Example::
 

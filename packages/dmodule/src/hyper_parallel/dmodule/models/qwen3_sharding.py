@@ -15,6 +15,12 @@ them (SP: ``sequence_parallel``):
 - ``output``: weight ``Shard(0)`` (vocabulary); logits ``Shard(-1)`` into the
   loss-parallel ``cross_entropy``.
 
+``use_local_map``: the norms (with ``sequence_parallel`` they stay DTensor ops, as
+llama-ref's), attention (the q/k norms' local gradients declared ``Partial`` over ``tp``)
+and the dense feed-forwards are ``local_map`` regions with the boundaries above; the MoE
+feed-forwards keep their path. ``region_blocks``: each dense block one outer ``local_map``
+region (:func:`region_block_config`); MoE blocks stay as ``use_local_map`` makes them.
+
 :func:`parallelize_qwen3` composes the rest as plain calls, TorchTitan's order: tensor
 parallelism (:func:`apply_tp`), activation checkpointing, compile (:func:`apply_compile`),
 fully sharded data parallelism (:func:`apply_fsdp`).
@@ -28,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
@@ -46,6 +53,7 @@ from hyper_parallel.dmodule.layers import (
     block_sharding,
     expert_sharding,
 )
+from hyper_parallel.dmodule.layers._common import TP, replicated, sequence_sharded
 from hyper_parallel.dmodule.models._sharding import (
     apply_compile,
     check_heads_divide_tp,
@@ -55,9 +63,9 @@ from hyper_parallel.dmodule.models._sharding import (
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
-from hyper_parallel.dmodule.sharding import ShardingConfig
-from hyper_parallel.dmodule.types import MeshAxisName, axis_name
-from hyper_parallel.dtensor import DeviceMesh, DTensor, collectives
+from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
+from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 if TYPE_CHECKING:  # annotations only: qwen3.py imports this file to build its parts
@@ -74,7 +82,13 @@ __all__ = [
     "norm_config",
     "output_config",
     "parallelize_qwen3",
+    "region_block_config",
+    "region_block_sharding",
 ]
+
+_ROPE_BUFFERS = ("rope_cos", "rope_sin")
+#: The per-head q/k norms' weights, declared by attention when it is a local_map region.
+_QK_NORMS = ("q_norm.weight", "k_norm.weight")
 
 
 # -- tensor parallelism: each part's Config, top of the model to its bottom ------------------
@@ -97,6 +111,9 @@ def embedding_config(config: Qwen3.Config) -> Embedding.Config:
 def norm_config(config: Qwen3.Config) -> RMSNorm.Config:
     """Each block's two norms and the final one: weight replicated (SP: sequence shards kept).
 
+    With ``use_local_map`` (and no sequence parallelism, as llama-ref's) the norm runs on
+    the local replicated tensors.
+
     Example::
 
         >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
@@ -105,21 +122,33 @@ def norm_config(config: Qwen3.Config) -> RMSNorm.Config:
     """
     if config.sequence_parallel:
         return RMSNorm.Config.sequence_parallel(config.dim, eps=config.norm_eps)
+    if config.use_local_map:
+        return RMSNorm.Config.local_map(config.dim, eps=config.norm_eps)
     return RMSNorm.Config(dim=config.dim, eps=config.norm_eps)
 
 
 def attention_config(config: Qwen3.Config) -> Qwen3Attention.Config:
     """Attention, heads split over ``tp``: x in replicated, the partial sums out reduced.
 
+    With ``use_local_map`` it is a ``local_map`` region (``block_sharding(local_map=True)``):
+    the q/k norms act on this rank's heads, their weights replicated and their local
+    gradients declared ``Partial`` over ``tp`` (:func:`_local_qk_norms`).
+
     Example::
 
         >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
         >>> attention_config(Qwen3.Config(head_dim=32)).q_width
         128
+        >>> attention_config(Qwen3.Config(use_local_map=True)).sharding_config.local_map.state_grad_placements
+        {'q_norm.weight': {MeshAxisName.TP: Partial(reduce_op='sum')}, 'k_norm.weight': {MeshAxisName.TP: Partial(reduce_op='sum')}}
     """
     sharding = block_sharding(
-        sequence_parallel=config.sequence_parallel, replicated_states=("rope_cos", "rope_sin")
+        local_map=config.use_local_map,
+        sequence_parallel=config.sequence_parallel,
+        replicated_states=_ROPE_BUFFERS + _QK_NORMS if config.use_local_map else _ROPE_BUFFERS,
     )
+    if config.use_local_map:
+        sharding = _local_qk_norms(sharding)
     return Qwen3Attention.Config(
         dim=config.dim,
         n_heads=config.n_heads,
@@ -132,6 +161,19 @@ def attention_config(config: Qwen3.Config) -> Qwen3Attention.Config:
     )
 
 
+def _local_qk_norms(sharding: ShardingConfig) -> ShardingConfig:
+    """Attention's ``local_map`` sharding with the q/k norms' local gradients declared ``Partial``.
+
+    Each ``tp`` rank normalises its own heads with the whole (replicated) norm weight, so
+    its local gradient sums those heads only: a partial sum over ``tp``, reduced once
+    where it accumulates (as the DTensor path's ``Replicate`` weight on ``Shard`` heads).
+    """
+    assert sharding.local_map is not None  # block_sharding(local_map=True) declares one
+    partial: dict[str, NamedPlacement] = {name: {TP: Partial()} for name in _QK_NORMS}
+    local_map = dataclasses.replace(sharding.local_map, state_grad_placements=partial)
+    return dataclasses.replace(sharding, local_map=local_map)
+
+
 def feed_forward_config(config: Qwen3.Config) -> FeedForward.Config:
     """The dense layers' SwiGLU MLP, hidden units split over ``tp``.
 
@@ -142,7 +184,10 @@ def feed_forward_config(config: Qwen3.Config) -> FeedForward.Config:
         96
     """
     return FeedForward.Config.tensor_parallel(
-        sequence_parallel=config.sequence_parallel, dim=config.dim, hidden_dim=config.ffn_dim
+        local_map=config.use_local_map,
+        sequence_parallel=config.sequence_parallel,
+        dim=config.dim,
+        hidden_dim=config.ffn_dim,
     )
 
 
@@ -172,21 +217,88 @@ def moe_config(config: Qwen3.Config) -> MoE.Config:
 def block_config(config: Qwen3.Config, layer: int) -> Qwen3Block.Config:
     """Block ``layer``: norm, attention, norm, then the dense MLP or the MoE.
 
+    With ``region_blocks`` a dense block is itself a ``local_map`` region
+    (:func:`region_block_config`); a MoE block stays as ``use_local_map`` makes it.
+
     Example::
 
         >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
         >>> block_config(Qwen3.Config(dim=32, n_heads=4), 0).attention.dim
         32
     """
+    moe = config.is_moe_layer(layer)
+    if config.region_blocks and not moe:
+        return region_block_config(config)
     norm = norm_config(config)
     return Qwen3Block.Config(
         attention_norm=norm,
         attention=attention_config(config),
         ffn_norm=norm.replace(),
-        feed_forward=moe_config(config)
-        if config.is_moe_layer(layer)
-        else feed_forward_config(config),
+        feed_forward=moe_config(config) if moe else feed_forward_config(config),
     )
+
+
+# -- region_blocks: each dense block one outer local_map region --------------------------------
+def region_block_sharding(config: Qwen3.Config) -> ShardingConfig:
+    """The dense block as an OUTER ``local_map`` region: the residual stream in and out.
+
+    ``Replicate`` over ``tp`` (``Shard(1)``, sequence shards, with ``sequence_parallel``):
+    the block's input goes local once and its output is wrapped once; the residual adds
+    between its parts are plain torch, and its norms, attention and feed-forward are
+    inner regions that make their declared moves as collectives on local tensors
+    (``README``: regions inside a region).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> cfg = Qwen3.Config(use_local_map=True, region_blocks=True, sequence_parallel=True)
+        >>> region_block_sharding(cfg).out_src_shardings
+        {MeshAxisName.TP: Shard(dim=1)}
+    """
+    stream = sequence_sharded() if config.sequence_parallel else replicated()
+    return ShardingConfig(
+        in_dst_shardings={"x": stream}, out_src_shardings=stream, local_map=LocalMapConfig()
+    )
+
+
+def region_block_config(config: Qwen3.Config) -> Qwen3Block.Config:
+    """The dense block of ``region_blocks``: its parts as inner regions of the block's region.
+
+    The norms are ``local_map`` regions in either layout (with ``sequence_parallel`` their
+    replicated weight's local gradient is declared ``Partial``); attention's (q/k norms'
+    gradients declared ``Partial``, :func:`attention_config`) and feed-forward's input is
+    declared a sequence shard (``in_src``) with ``sequence_parallel``, as the norm leaves
+    it: an inner region receives plain tensors, whose layout is only what it declares.
+    MoE blocks are never regions (:func:`block_config`).
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.models.qwen3 import Qwen3
+        >>> cfg = Qwen3.Config(use_local_map=True, region_blocks=True, sequence_parallel=True)
+        >>> region_block_config(cfg).attention.sharding_config.in_src_shardings
+        {'x': {MeshAxisName.TP: Shard(dim=1)}}
+    """
+    norm = RMSNorm.Config.local_map(
+        config.dim, eps=config.norm_eps, sequence_parallel=config.sequence_parallel
+    )
+    attention = attention_config(config)
+    feed_forward = feed_forward_config(config)
+    if config.sequence_parallel:
+        attention = attention.replace(sharding_config=_sequence_shard_in(attention))
+        feed_forward = feed_forward.replace(sharding_config=_sequence_shard_in(feed_forward))
+    return Qwen3Block.Config(
+        attention_norm=norm,
+        attention=attention,
+        ffn_norm=norm.replace(),
+        feed_forward=feed_forward,
+        sharding_config=region_block_sharding(config),
+    )
+
+
+def _sequence_shard_in(part: Qwen3Attention.Config | FeedForward.Config) -> ShardingConfig:
+    sharding = part.sharding_config
+    assert sharding is not None  # the tensor-parallel layouts above declare one
+    return dataclasses.replace(sharding, in_src_shardings={"x": sequence_sharded()})
 
 
 def output_config(config: Qwen3.Config) -> Linear.Config:
