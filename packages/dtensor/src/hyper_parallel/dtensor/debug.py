@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any
@@ -58,23 +59,38 @@ KINDS = (
 _active_modes: ContextVar[tuple[CommDebugMode, ...]] = ContextVar("hp_comm_debug_modes", default=())
 
 
-# The module hooks are plain functions that report to the active modes. While dynamo
-# traces they do nothing, and are traced rather than being graph breaks (hp-dtensor's
-# files are on dynamo's skip list); they would not run with the compiled graph anyway.
-# Dynamo guards on the global hooks' ids, so a compiled region traced under one mode
-# recompiles once under the next (each mode registers them anew, and removes them).
-@torch._dynamo.dont_skip_tracing
+# The module hooks report to the active modes. While dynamo traces they do nothing, and
+# once dynamo is loaded they are registered marked to be traced rather than be graph
+# breaks (hp-dtensor's files are on dynamo's skip list); they would not run with the
+# compiled graph anyway. Dynamo guards on the global hooks' ids, so a compiled region
+# traced under one mode recompiles once under the next (each mode registers them anew).
 def _enter_module(module: torch.nn.Module, args: Any) -> None:
     if not torch.compiler.is_compiling():
         for mode in _active_modes.get():
             mode._enter_module(module)
 
 
-@torch._dynamo.dont_skip_tracing
 def _exit_module(module: torch.nn.Module, args: Any, output: Any) -> None:
     if not torch.compiler.is_compiling():
         for mode in _active_modes.get():
             mode._exit_module()
+
+
+_traced_hooks: list[Callable[..., None]] = []
+
+
+def _module_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The hooks to register: marked for dynamo once it is loaded (never imported here:
+    importing it costs seconds; a program that compiles has loaded it)."""
+    if "torch._dynamo" not in sys.modules:
+        return _enter_module, _exit_module
+    if not _traced_hooks:
+        import torch._dynamo
+
+        _traced_hooks.extend(
+            torch._dynamo.dont_skip_tracing(hook) for hook in (_enter_module, _exit_module)
+        )
+    return _traced_hooks[0], _traced_hooks[1]
 
 
 class CommDebugMode:
@@ -117,9 +133,10 @@ class CommDebugMode:
         self._observing.enter_context(_FunctionalCollectives(self._record))
         if not _active_modes.get():  # the outermost mode hooks; the hooks report to every mode
             hooks = torch.nn.modules.module
+            enter, exit_ = _module_hooks()
             self._handles = [
-                hooks.register_module_forward_pre_hook(_enter_module),
-                hooks.register_module_forward_hook(_exit_module),
+                hooks.register_module_forward_pre_hook(enter),
+                hooks.register_module_forward_hook(exit_),
             ]
         self._token = _active_modes.set((*_active_modes.get(), self))
         self._fallbacks_before = fallback_counts()
