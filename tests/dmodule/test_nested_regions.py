@@ -145,9 +145,14 @@ class Stack(Module):
 
 
 def _train(
-    model: torch.nn.Module, mesh: Any, sp: bool, steps: int = 3, record: bool = True
+    model: torch.nn.Module,
+    mesh: Any,
+    sp: bool,
+    steps: int = 3,
+    comm: CommDebugMode | None = None,
 ) -> list[dict[str, Any]]:
-    """3 AdamW steps; per step the loss, every gradient as a full tensor, the collectives."""
+    """3 AdamW steps; per step the loss, every gradient as a full tensor, the collectives
+    (recorded by a CommDebugMode per step, or by ``comm`` over all steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     out = []
     for step in range(steps):
@@ -159,10 +164,11 @@ def _train(
             if mesh is None
             else distribute_tensor(x_full, mesh, [Shard(1) if sp else Replicate()])
         ).requires_grad_()  # as every block's input: the compiled block compiles once
-        # CommDebugMode's module hooks are graph breaks: the compiled run goes unrecorded
-        with CommDebugMode() if record else contextlib.nullcontext() as comm:
+        with contextlib.nullcontext(comm) if comm else CommDebugMode() as recorder:
+            start = len(recorder.records())
             loss = (model(x) ** 2).mean()
             loss.backward()
+            records = recorder.records()[start:]
         grads = {}
         for name, p in model.named_parameters():
             assert p.grad is not None, name
@@ -173,7 +179,8 @@ def _train(
             {
                 "loss": value.detach(),
                 "grads": grads,
-                "comm": [r.kind for r in comm.records()] if comm else [],
+                "comm": [r.kind for r in records],
+                "records": records,
             }
         )
         opt.step()
@@ -203,7 +210,11 @@ def _nested_regions(world_size: int) -> dict[str, Any]:
                 for layer in model.layers:
                     compile_local_maps(layer)
             started = time.perf_counter()
-            runs[kind] = _train(model, mesh, sp, record=kind != "compiled")
+            if kind == "compiled":  # one mode over all steps: a new mode's hooks recompile
+                with CommDebugMode() as comm:
+                    runs[kind] = _train(model, mesh, sp, comm=comm)
+            else:
+                runs[kind] = _train(model, mesh, sp)
             result[f"seconds_{kind}_{sp}"] = time.perf_counter() - started
         one = Stack.Config(sp=sp).build()
         one.load_state_dict(source.state_dict())
@@ -347,6 +358,22 @@ def test_compiled_outer_region_has_no_graph_break(nested: list[dict[str, Any]]) 
         # one graph for both blocks and all 3 steps (the layers do not specialise it)
         assert result["graphs"] == 1, result["graphs"]
         assert "compiled" in result["runs_False"]
+
+
+def test_comm_debug_mode_counts_the_compiled_region_like_the_eager_one(
+    nested: list[dict[str, Any]],
+) -> None:
+    # the compiled block's collectives are torch's functional collectives run by its
+    # graphs (no hp-dtensor collective): the same kinds, bytes, group sizes and mesh axes
+    # as the eager nested run, step by step
+    for result in nested:
+        runs = result["runs_False"]
+        for step, eager in enumerate(runs["nested"]):
+            compiled = runs["compiled"][step]
+            want = sorted(eager["records"], key=repr)
+            assert want, "the eager run issues collectives"
+            assert sorted(compiled["records"], key=repr) == want, (compiled["records"], want)
+            assert {r.mesh_axis for r in compiled["records"]} == {"tp"}, compiled["records"]
 
 
 def test_inner_region_refuses_what_no_plain_move_places(nested: list[dict[str, Any]]) -> None:

@@ -6,6 +6,7 @@ shard, computed from the shapes; the fallback counter's own difference.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 
@@ -19,6 +20,7 @@ from hyper_parallel.dtensor import (
     DTensor,
     Replicate,
     Shard,
+    collectives,
     distribute_tensor,
     fallback_counts,
     init_device_mesh,
@@ -74,9 +76,38 @@ def _comm_debug_mode_reports() -> dict[str, object]:
         op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)
     }
     report["fallback_table"] = comm.table()
+
+    # 4. torch's functional collectives issued outside hp-dtensor's collectives module (what
+    # compiled code runs) are recorded, as torch's CommDebugMode counts them; hp's own
+    # collectives that run as functional collectives (async_op=True) are recorded once
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    group = mesh.get_group()
+    local = torch.randn(4, 3)
+
+    def issue() -> None:
+        collectives.wait(funcol.all_reduce(local, "sum", group))
+        collectives.wait(funcol.all_gather_single(local, 0, group))
+        collectives.wait(funcol.reduce_scatter_single(local, "sum", 0, group))
+
+    with CommDebugMode() as comm, TorchCommDebugMode() as torch_comm:  # type: ignore[no-untyped-call]
+        issue()
+        pending = collectives.all_reduce(local, mesh, 0, async_op=True)
+        collectives.wait(pending)
+    report["funcol_records"] = comm.records()
+    report["torch_funcol_counts"] = {
+        str(op).split(".")[-1]: n for op, n in torch_comm.get_comm_counts().items()
+    }
+    # modes nest: each records every collective and charges it to the module once
+    x = distribute_tensor(torch.randn(3, 4), mesh, [Replicate()])
+    with CommDebugMode(model) as outer, CommDebugMode(model) as inner:
+        model(x)
+    report["nested_by_module"] = [outer.by_module(), inner.by_module()]
     return report
 
 
+@functools.cache
 def _report() -> dict[str, object]:
     return run_on_ranks(_comm_debug_mode_reports, 2, timeout_s=180)[1]
 
@@ -102,3 +133,25 @@ def test_comm_debug_mode() -> None:
     assert r["fallbacks"] == r["fallback_diff"]
     assert str(FALLBACK_OP) in r["fallbacks"]  # type: ignore[operator]
     assert str(FALLBACK_OP) in str(r["fallback_table"])
+
+
+def test_comm_debug_mode_records_functional_collectives_once() -> None:
+    r = _report()
+    records = r["funcol_records"]
+    assert isinstance(records, list)
+    torch_counts = r["torch_funcol_counts"]
+    assert isinstance(torch_counts, dict)
+    # torch's names for the same collectives (it sees hp's async all-reduce as one too)
+    kinds = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather"}
+    kinds["reduce_scatter_tensor"] = "reduce_scatter"
+    want = {kinds[op]: n for op, n in torch_counts.items()}
+    got: dict[str, int] = {}
+    for record in records:
+        got[record.kind] = got.get(record.kind, 0) + 1
+    assert got == want == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}, (got, want)
+    # this rank's (4, 3) float32 input; the group found as mesh axis 0 of 2 ranks
+    assert {(rec.nbytes, rec.group_size, rec.mesh_axis) for rec in records} == {(48, 2, 0)}
+    nested = r["nested_by_module"]
+    assert isinstance(nested, list)
+    outer, inner = nested
+    assert outer == inner == {"encoder.proj": {"all_gather": 1}}, (outer, inner)

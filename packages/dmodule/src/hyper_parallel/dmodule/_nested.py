@@ -27,7 +27,7 @@ gradient as that layout with ``Partial`` made ``Replicate``.
 
 Under ``torch.compile`` (an outer region with ``LocalMapConfig(compile=True)``) the
 moves are torch's functional collectives, which dynamo traces into the region's graph;
-eagerly they are hp-dtensor's collectives (recorded by ``CommDebugMode``).
+eagerly they are hp-dtensor's collectives (``CommDebugMode`` records both).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ __all__ = [
     "all_to_all_single",
     "any_rank",
     "broadcast",
+    "issued_here",
     "observe_collectives",
     "reduce_scatter",
     "scatter",
@@ -63,7 +64,8 @@ class CollectiveRecord:
     ``kind``: ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``, ``"all_to_all"``,
     ``"broadcast"``, ``"scatter"`` or ``"send_recv"``; ``nbytes``: this rank's input bytes (for a scatter:
     one chunk); ``group_size``: ranks in the group; ``mesh_axis``: the axis's name, or
-    its index on a mesh without names.
+    its index on a mesh without names (for a functional collective of compiled code on a
+    group no live mesh holds, ``CommDebugMode`` gives the group's name).
 
     Example::
 
@@ -80,6 +82,8 @@ Observer = Callable[[CollectiveRecord], None]
 """Called with the record of each collective issued while it observes."""
 
 _observers: ContextVar[tuple[Observer, ...]] = ContextVar("hp_collective_observers", default=())
+# True while the platform issues a collective this module has reported (see ``_issue``)
+_issuing: ContextVar[bool] = ContextVar("hp_issuing_collective", default=False)
 
 
 @contextmanager
@@ -102,19 +106,47 @@ def observe_collectives(observer: Observer) -> Iterator[None]:
         _observers.reset(token)
 
 
-def _report(kind: str, tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, size: int) -> None:
+def _issue(
+    kind: str,
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: Axis,
+    size: int,
+    call: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """Report one collective to the observers, then ``call`` the platform to issue it.
+
+    While observed, the platform's call runs marked as hp's (:func:`issued_here`), so an
+    observer that also watches torch's functional collectives does not count it twice.
+    """
     observers = _observers.get()
-    if observers:
-        index = mesh.axis_index(axis)
-        names = mesh.mesh_dim_names
-        record = CollectiveRecord(
-            kind,
-            tensor.numel() * tensor.element_size(),
-            size,
-            names[index] if names is not None else index,
-        )
-        for observer in observers:
-            observer(record)
+    if not observers:
+        return call()
+    index = mesh.axis_index(axis)
+    names = mesh.mesh_dim_names
+    record = CollectiveRecord(
+        kind,
+        tensor.numel() * tensor.element_size(),
+        size,
+        names[index] if names is not None else index,
+    )
+    for observer in observers:
+        observer(record)
+    token = _issuing.set(True)
+    try:
+        return call()
+    finally:
+        _issuing.reset(token)
+
+
+def issued_here() -> bool:
+    """True while this module's collective is being issued by the platform (already reported).
+
+    Example::
+
+        issued_here()   # False outside a call of this module
+    """
+    return _issuing.get()
 
 
 def all_gather(
@@ -127,10 +159,14 @@ def all_gather(
         stacked = all_gather(torch.tensor([mesh.get_local_rank("tp")]), mesh, "tp")  # [[0], [1]]
     """
     size, group = mesh._size_and_group(axis)
-    _report("all_gather", tensor, mesh, axis, size)
-    if async_op:
-        return get_platform().all_gather(tensor, group, async_op=True)
-    return get_platform().all_gather(tensor, group)
+    return _issue(
+        "all_gather",
+        tensor,
+        mesh,
+        axis,
+        size,
+        lambda: get_platform().all_gather(tensor, group, async_op=async_op),
+    )
 
 
 def all_reduce(
@@ -150,10 +186,14 @@ def all_reduce(
         grad = wait(pending)
     """
     size, group = mesh._size_and_group(axis)
-    _report("all_reduce", tensor, mesh, axis, size)
-    if async_op:
-        return get_platform().all_reduce(tensor, group, reduce_op, async_op=True)
-    return get_platform().all_reduce(tensor, group, reduce_op)
+    return _issue(
+        "all_reduce",
+        tensor,
+        mesh,
+        axis,
+        size,
+        lambda: get_platform().all_reduce(tensor, group, reduce_op, async_op=async_op),
+    )
 
 
 def all_reduce_over(
@@ -185,10 +225,14 @@ def reduce_scatter(
         mine = reduce_scatter(torch.ones(2, 3), mesh, "tp")   # tensor([2., 2., 2.]) on 2 ranks
     """
     size, group = mesh._size_and_group(axis)
-    _report("reduce_scatter", stacked, mesh, axis, size)
-    if async_op:
-        return get_platform().reduce_scatter(stacked, group, reduce_op, async_op=True)
-    return get_platform().reduce_scatter(stacked, group, reduce_op)
+    return _issue(
+        "reduce_scatter",
+        stacked,
+        mesh,
+        axis,
+        size,
+        lambda: get_platform().reduce_scatter(stacked, group, reduce_op, async_op=async_op),
+    )
 
 
 def all_to_all(
@@ -201,10 +245,14 @@ def all_to_all(
         exchanged = all_to_all(torch.arange(2).view(2, 1), mesh, "tp")
     """
     size, group = mesh._size_and_group(axis)
-    _report("all_to_all", stacked, mesh, axis, size)
-    if async_op:
-        return get_platform().all_to_all(stacked, group, async_op=True)
-    return get_platform().all_to_all(stacked, group)
+    return _issue(
+        "all_to_all",
+        stacked,
+        mesh,
+        axis,
+        size,
+        lambda: get_platform().all_to_all(stacked, group, async_op=async_op),
+    )
 
 
 def all_to_all_single(
@@ -226,8 +274,16 @@ def all_to_all_single(
                                 mesh, "ep")
     """
     size, group = mesh._size_and_group(axis)
-    _report("all_to_all", tensor, mesh, axis, size)
-    return get_platform().all_to_all_single(tensor, output_split_sizes, input_split_sizes, group)
+    return _issue(
+        "all_to_all",
+        tensor,
+        mesh,
+        axis,
+        size,
+        lambda: get_platform().all_to_all_single(
+            tensor, output_split_sizes, input_split_sizes, group
+        ),
+    )
 
 
 def send_recv(
@@ -244,8 +300,14 @@ def send_recv(
         previous = send_recv(torch.tensor([mesh.get_local_rank("cp")]), mesh, "cp")  # [1] on 0 of 2
     """
     size, group = mesh._size_and_group(axis)
-    _report("send_recv", tensor, mesh, axis, size)
-    return get_platform().send_recv(tensor, group, offset=offset, async_op=async_op)
+    return _issue(
+        "send_recv",
+        tensor,
+        mesh,
+        axis,
+        size,
+        lambda: get_platform().send_recv(tensor, group, offset=offset, async_op=async_op),
+    )
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
@@ -270,8 +332,9 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, axis: Axis, src: int = 0) 
         value = broadcast(torch.tensor([mesh.get_local_rank("tp")]), mesh, "tp", 0)  # [0]
     """
     size, group = mesh._size_and_group(axis)
-    _report("broadcast", tensor, mesh, axis, size)
-    return get_platform().broadcast(tensor, group, src)
+    return _issue(
+        "broadcast", tensor, mesh, axis, size, lambda: get_platform().broadcast(tensor, group, src)
+    )
 
 
 def scatter(
@@ -291,8 +354,9 @@ def scatter(
                        torch.empty(2), mesh, "tp", 0)
     """
     size, group = mesh._size_and_group(axis)
-    _report("scatter", like, mesh, axis, size)
-    return get_platform().scatter(chunks, like, group, src)
+    return _issue(
+        "scatter", like, mesh, axis, size, lambda: get_platform().scatter(chunks, like, group, src)
+    )
 
 
 def any_rank(flag: bool, mesh: DeviceMesh, device: torch.device | str = "cpu") -> bool:

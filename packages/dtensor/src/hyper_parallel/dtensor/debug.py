@@ -8,24 +8,39 @@ module; ``""`` for the root, ``"global"`` outside any forward). Collectives issu
 during ``backward()`` run outside every forward and are charged to ``"backward"``
 when autograd is executing a backward pass. Fqns are learnt from the modules given
 to the constructor (``named_modules()``); other modules show as their class name.
+
+Collectives that run as torch's functional collectives (``torch.ops._c10d_functional``)
+without passing through hp-dtensor's collectives module — the collectives of code compiled
+with ``torch.compile``, which its graphs issue themselves — are recorded too, by a
+``TorchDispatchMode`` active with the mode (:class:`_FunctionalCollectives`). Their mesh
+axis is the live mesh axis whose group they run on (else the group's name); inside a
+compiled graph the module hooks do not run, so they are charged to the module whose
+forward called the compiled code (or ``"global"`` / ``"backward"``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch._C._distributed_c10d import _resolve_process_group
+from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import GroupName
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.dtensor import collectives
 from hyper_parallel.dtensor._dispatch import _flat
 from hyper_parallel.dtensor._tensor import DTensor, fallback_counts
-from hyper_parallel.dtensor.collectives import CollectiveRecord
+from hyper_parallel.dtensor.collectives import CollectiveRecord, Observer
+from hyper_parallel.dtensor.device_mesh import _axis_of_group
 
 __all__ = ["CommDebugMode", "explain"]
 
@@ -38,6 +53,44 @@ KINDS = (
     "scatter",
     "send_recv",
 )
+
+
+# The modes active in this context, innermost last: what the module hooks report to.
+_active_modes: ContextVar[tuple[CommDebugMode, ...]] = ContextVar("hp_comm_debug_modes", default=())
+
+
+# The module hooks report to the active modes. While dynamo traces they do nothing, and
+# once dynamo is loaded they are registered marked to be traced rather than be graph
+# breaks (hp-dtensor's files are on dynamo's skip list); they would not run with the
+# compiled graph anyway. Dynamo guards on the global hooks' ids, so a compiled region
+# traced under one mode recompiles once under the next (each mode registers them anew).
+def _enter_module(module: torch.nn.Module, args: Any) -> None:
+    if not torch.compiler.is_compiling():
+        for mode in _active_modes.get():
+            mode._enter_module(module)
+
+
+def _exit_module(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if not torch.compiler.is_compiling():
+        for mode in _active_modes.get():
+            mode._exit_module()
+
+
+_traced_hooks: list[Callable[..., None]] = []
+
+
+def _module_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The hooks to register: marked for dynamo once it is loaded (never imported here:
+    importing it costs seconds; a program that compiles has loaded it)."""
+    if "torch._dynamo" not in sys.modules:
+        return _enter_module, _exit_module
+    if not _traced_hooks:
+        import torch._dynamo
+
+        _traced_hooks.extend(
+            torch._dynamo.dont_skip_tracing(hook) for hook in (_enter_module, _exit_module)
+        )
+    return _traced_hooks[0], _traced_hooks[1]
 
 
 class CommDebugMode:
@@ -69,6 +122,7 @@ class CommDebugMode:
         self._fallbacks_before: dict[str, int] = {}
         self._fallbacks: dict[str, int] = {}
         self._active = False
+        self._token: Token[tuple[CommDebugMode, ...]] | None = None
 
     # -- context manager -------------------------------------------------------------
     def __enter__(self) -> CommDebugMode:
@@ -76,11 +130,15 @@ class CommDebugMode:
             raise RuntimeError("CommDebugMode: already active; a mode cannot be entered twice")
         self._observing = contextlib.ExitStack()
         self._observing.enter_context(collectives.observe_collectives(self._record))
-        hooks = torch.nn.modules.module
-        self._handles = [
-            hooks.register_module_forward_pre_hook(self._enter_module),
-            hooks.register_module_forward_hook(self._exit_module),
-        ]
+        self._observing.enter_context(_FunctionalCollectives(self._record))
+        if not _active_modes.get():  # the outermost mode hooks; the hooks report to every mode
+            hooks = torch.nn.modules.module
+            enter, exit_ = _module_hooks()
+            self._handles = [
+                hooks.register_module_forward_pre_hook(enter),
+                hooks.register_module_forward_hook(exit_),
+            ]
+        self._token = _active_modes.set((*_active_modes.get(), self))
         self._fallbacks_before = fallback_counts()
         self._active = True
         return self
@@ -94,6 +152,9 @@ class CommDebugMode:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._token is not None:
+            _active_modes.reset(self._token)
+            self._token = None
         if self._observing is not None:
             self._observing.close()
             self._observing = None
@@ -109,10 +170,10 @@ class CommDebugMode:
     def _module_name(self, module: torch.nn.Module) -> str:
         return self._names.get(id(module), type(module).__name__)
 
-    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+    def _enter_module(self, module: torch.nn.Module) -> None:
         self._stack.append(self._module_name(module))
 
-    def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _exit_module(self) -> None:
         if self._stack:
             self._stack.pop()
 
@@ -226,6 +287,77 @@ class CommDebugMode:
 
     def __repr__(self) -> str:
         return f"CommDebugMode(counts={json.dumps(self.counts())}, fallbacks={self.fallbacks()})"
+
+
+_functional = torch.ops._c10d_functional
+# torch's functional collectives (what funcol and inductor's graphs call) -> hp's kind;
+# their first argument is this rank's input (a list of inputs for the coalesced ones)
+_FUNCTIONAL_KINDS: dict[Any, str] = {
+    _functional.all_reduce: "all_reduce",
+    _functional.all_reduce_: "all_reduce",
+    _functional.all_reduce_coalesced: "all_reduce",
+    _functional.all_reduce_coalesced_: "all_reduce",
+    _functional.all_gather_into_tensor: "all_gather",
+    _functional.all_gather_into_tensor_out: "all_gather",
+    _functional.all_gather_into_tensor_coalesced: "all_gather",
+    _functional.reduce_scatter_tensor: "reduce_scatter",
+    _functional.reduce_scatter_tensor_out: "reduce_scatter",
+    _functional.reduce_scatter_tensor_coalesced: "reduce_scatter",
+    _functional.all_to_all_single: "all_to_all",
+    _functional.broadcast: "broadcast",
+    _functional.broadcast_: "broadcast",
+    _functional.isend: "send_recv",
+}
+
+
+class _FunctionalCollectives(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
+    """Report torch's functional collectives that hp-dtensor's collectives module did not issue.
+
+    Those it issues are reported already (``collectives.issued_here()``); every op runs
+    unchanged. ``ignore_compile_internals``: dynamo still compiles under the mode (it is
+    off while dynamo and inductor trace) and the compiled graphs' ops reach it at run time.
+    """
+
+    def __init__(self, observer: Observer) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._observer = observer
+        self._axes: dict[str, tuple[int, str | int]] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kind = _FUNCTIONAL_KINDS.get(func.overloadpacket)
+        if kind is not None and not collectives.issued_here():
+            self._report(kind, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+    def _report(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        # the group is the last argument of every functional collective
+        group = kwargs.get("group_name", args[-1])
+        size, axis = self._group(group)
+        self._observer(CollectiveRecord(kind, nbytes, size, axis))
+
+    def _group(self, group: str | ProcessGroup) -> tuple[int, str | int]:
+        """The group's size and its mesh axis (the group's name when no live mesh has it)."""
+        name = group if isinstance(group, str) else group.group_name
+        found = self._axes.get(name)
+        if found is None:
+            process_group = (
+                _resolve_process_group(GroupName(name)) if isinstance(group, str) else group
+            )
+            axis = _axis_of_group(process_group)
+            found = self._axes[name] = (process_group.size(), name if axis is None else axis)
+        return found
 
 
 def _ordered(kinds: Iterable[str]) -> list[str]:

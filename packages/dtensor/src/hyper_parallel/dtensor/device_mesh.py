@@ -127,6 +127,16 @@ def _remember_mesh(mesh: DeviceMesh) -> None:
     _live_meshes.add(mesh)
 
 
+def _axis_of_group(group: ProcessGroup) -> str | int | None:
+    """The mesh axis (its name, or index on a mesh without names) whose group on this rank
+    is ``group``, in any live mesh; None when no live mesh holds it."""
+    for mesh in _live_meshes.values():
+        for index, held in mesh._groups.items():
+            if held is group:
+                return mesh.mesh_dim_names[index] if mesh.mesh_dim_names else index
+    return None
+
+
 # The meshes entered with ``with mesh:``, innermost last (torch's mesh stack).
 _entered: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("hp_entered_meshes", default=())
 
