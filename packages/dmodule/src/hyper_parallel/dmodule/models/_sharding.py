@@ -1,5 +1,5 @@
-"""What the reference models' plans share: head-count checks, compile, FSDP's mesh and mixed
-precision, the pipeline call.
+"""What the reference models' plans share: head-count checks, region blocks, compile, FSDP's
+mesh and mixed precision, the pipeline call.
 
 Each model's plan still lives in its own file (``llama_sharding.py``, ``qwen3_sharding.py``);
 what is the same logic in both (and in their Configs' checks) is written once here and
@@ -8,8 +8,9 @@ called from there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -18,9 +19,12 @@ from hyper_parallel.dmodule._checks import require_positive
 from hyper_parallel.dmodule._forward import compile_local_maps
 from hyper_parallel.dmodule.base_model import BaseModel
 from hyper_parallel.dmodule.context_parallel import CP_AXIS
-from hyper_parallel.dmodule.layers import cross_entropy
+from hyper_parallel.dmodule.layers import RMSNorm, cross_entropy
+from hyper_parallel.dmodule.layers._common import replicated, sequence_sharded
+from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
 from hyper_parallel.dmodule.pipeline import Pipeline, pipeline
+from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, axis_name
 from hyper_parallel.dtensor import DeviceMesh
 from hyper_parallel.dtensor.fsdp import MixedPrecisionPolicy
@@ -34,6 +38,8 @@ __all__ = [
     "data_parallel_mesh",
     "mp_policy",
     "pipeline_with_loss",
+    "region_block_parts",
+    "residual_stream_region",
     "tp_size",
 ]
 
@@ -285,3 +291,65 @@ def pipeline_with_loss(
         else None
     )
     return pipeline(model, mesh, loss_fn=cross_entropy, parallelize_options=rest, **options)
+
+
+def residual_stream_region(sequence_parallel: bool) -> ShardingConfig:
+    """A block as an OUTER ``local_map`` region: the residual stream in and out.
+
+    ``Replicate`` over ``tp`` (``Shard(1)``, sequence shards, with ``sequence_parallel``):
+    the block's input goes local once and its output is wrapped once; the residual adds
+    between its parts are plain torch, and its norms, attention and feed-forward are
+    inner regions that make their declared moves as collectives on local tensors
+    (``README``: regions inside a region).
+
+    Example::
+
+        >>> residual_stream_region(True).out_src_shardings
+        {MeshAxisName.TP: Shard(dim=1)}
+    """
+    stream = sequence_sharded() if sequence_parallel else replicated()
+    return ShardingConfig(
+        in_dst_shardings={"x": stream}, out_src_shardings=stream, local_map=LocalMapConfig()
+    )
+
+
+def region_block_parts(
+    dim: int,
+    eps: float,
+    sequence_parallel: bool,
+    attention: Module.Config,
+    feed_forward: Module.Config,
+) -> dict[str, Any]:
+    """A region block's parts (the keyword arguments of the model's block ``Config``).
+
+    The norms are ``local_map`` regions in either layout (with ``sequence_parallel`` their
+    replicated weight's local gradient is declared ``Partial``); with ``sequence_parallel``
+    attention's and feed-forward's input is declared a sequence shard (``in_src``), as the
+    norm leaves it: an inner region receives plain tensors, whose layout is only what it
+    declares. The block's own layout is :func:`residual_stream_region`'s.
+
+    Example::
+
+        >>> from hyper_parallel.dmodule.layers import Attention, FeedForward
+        >>> parts = region_block_parts(8, 1e-6, False, Attention.Config(dim=8, n_heads=2),
+        ...                            FeedForward.Config(dim=8, hidden_dim=16))
+        >>> sorted(parts)
+        ['attention', 'attention_norm', 'feed_forward', 'ffn_norm', 'sharding_config']
+    """
+    norm = RMSNorm.Config.local_map(dim, eps=eps, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        attention = attention.replace(sharding_config=_sequence_shard_in(attention))
+        feed_forward = feed_forward.replace(sharding_config=_sequence_shard_in(feed_forward))
+    return {
+        "attention_norm": norm,
+        "attention": attention,
+        "ffn_norm": norm.replace(),
+        "feed_forward": feed_forward,
+        "sharding_config": residual_stream_region(sequence_parallel),
+    }
+
+
+def _sequence_shard_in(part: Module.Config) -> ShardingConfig:
+    sharding = part.sharding_config
+    assert sharding is not None  # the tensor-parallel presets declare one
+    return dataclasses.replace(sharding, in_src_shardings={"x": sequence_sharded()})

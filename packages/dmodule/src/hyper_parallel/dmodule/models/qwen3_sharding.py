@@ -53,17 +53,19 @@ from hyper_parallel.dmodule.layers import (
     block_sharding,
     expert_sharding,
 )
-from hyper_parallel.dmodule.layers._common import TP, replicated, sequence_sharded
+from hyper_parallel.dmodule.layers._common import TP
 from hyper_parallel.dmodule.models._sharding import (
     apply_compile,
     check_heads_divide_tp,
     data_parallel_mesh,
     mp_policy,
+    region_block_parts,
+    residual_stream_region,
 )
 from hyper_parallel.dmodule.models.qwen3_block import Qwen3Attention, Qwen3Block
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.parallel_dims import ParallelDims
-from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
+from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement, axis_name
 from hyper_parallel.dtensor import DeviceMesh, DTensor, Partial, collectives
 from hyper_parallel.dtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -255,10 +257,7 @@ def region_block_sharding(config: Qwen3.Config) -> ShardingConfig:
         >>> region_block_sharding(cfg).out_src_shardings
         {MeshAxisName.TP: Shard(dim=1)}
     """
-    stream = sequence_sharded() if config.sequence_parallel else replicated()
-    return ShardingConfig(
-        in_dst_shardings={"x": stream}, out_src_shardings=stream, local_map=LocalMapConfig()
-    )
+    return residual_stream_region(config.sequence_parallel)
 
 
 def region_block_config(config: Qwen3.Config) -> Qwen3Block.Config:
@@ -278,27 +277,14 @@ def region_block_config(config: Qwen3.Config) -> Qwen3Block.Config:
         >>> region_block_config(cfg).attention.sharding_config.in_src_shardings
         {'x': {MeshAxisName.TP: Shard(dim=1)}}
     """
-    norm = RMSNorm.Config.local_map(
-        config.dim, eps=config.norm_eps, sequence_parallel=config.sequence_parallel
+    parts = region_block_parts(
+        config.dim,
+        config.norm_eps,
+        config.sequence_parallel,
+        attention_config(config),
+        feed_forward_config(config),
     )
-    attention = attention_config(config)
-    feed_forward = feed_forward_config(config)
-    if config.sequence_parallel:
-        attention = attention.replace(sharding_config=_sequence_shard_in(attention))
-        feed_forward = feed_forward.replace(sharding_config=_sequence_shard_in(feed_forward))
-    return Qwen3Block.Config(
-        attention_norm=norm,
-        attention=attention,
-        ffn_norm=norm.replace(),
-        feed_forward=feed_forward,
-        sharding_config=region_block_sharding(config),
-    )
-
-
-def _sequence_shard_in(part: Qwen3Attention.Config | FeedForward.Config) -> ShardingConfig:
-    sharding = part.sharding_config
-    assert sharding is not None  # the tensor-parallel layouts above declare one
-    return dataclasses.replace(sharding, in_src_shardings={"x": sequence_sharded()})
+    return Qwen3Block.Config(**parts)
 
 
 def output_config(config: Qwen3.Config) -> Linear.Config:
