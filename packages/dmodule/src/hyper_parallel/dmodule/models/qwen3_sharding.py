@@ -244,11 +244,8 @@ def block_config(config: Qwen3.Config, layer: int) -> Qwen3Block.Config:
 def region_block_sharding(config: Qwen3.Config) -> ShardingConfig:
     """The dense block as an OUTER ``local_map`` region: the residual stream in and out.
 
-    ``Replicate`` over ``tp`` (``Shard(1)``, sequence shards, with ``sequence_parallel``):
-    the block's input goes local once and its output is wrapped once; the residual adds
-    between its parts are plain torch, and its norms, attention and feed-forward are
-    inner regions that make their declared moves as collectives on local tensors
-    (``README``: regions inside a region).
+    :func:`~hyper_parallel.dmodule.models._sharding.residual_stream_region` for this
+    config's ``sequence_parallel`` (the layout and why, written once there).
 
     Example::
 
